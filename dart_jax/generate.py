@@ -1,0 +1,365 @@
+"""``generate``: the decoding driver shared by plain and speculative decoding.
+
+A *decoder* owns the device state and one compiled function per round; this module
+only prepares prompts, sizes the cache, runs rounds, emits tokens, checks stop
+conditions and keeps statistics. Every decoder's round emits, per sequence, a
+variable number of tokens (1 for plain decoding, the accepted path plus the bonus
+token for speculative decoding); the last emitted token is the next round's root,
+committed but not yet in the target's KV cache.
+"""
+
+import dataclasses
+import functools
+import time
+from typing import Any, Iterator, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dart_jax.errors import InputError
+from dart_jax.models.target import Target
+from dart_jax.sampling import SamplingConfig, sample
+
+_PROMPT_PAD = 32  # prefill lengths are padded to a multiple of this (fewer compiles)
+_MIN_ATTEND = 64  # smallest cache window a round reads
+_CAPACITY_STEP = 256  # cache capacities are multiples of this (fewer compiles)
+
+
+def attend_bucket(length: int, capacity: int) -> int:
+  """Static cache window for a max committed ``length``: the next power of two.
+
+  A round only reads this many cache rows, so the work follows the real length
+  while the number of distinct compiled shapes stays logarithmic.
+  """
+  bucket = _MIN_ATTEND
+  while bucket < length:
+    bucket *= 2
+  return min(bucket, capacity)
+
+
+@dataclasses.dataclass
+class GenerateStats:
+  """Per-call statistics.
+
+  rounds: decoding rounds after prefill (one target call each).
+  new_tokens: tokens emitted, all sequences together.
+  mean_accept_len: tokens emitted per sequence per round, bonus token included
+    (1.0 for plain decoding).
+  tokens_per_s: new tokens / decode time (prefill excluded).
+  time_to_first_token_s: prefill + first token.
+  total_s: wall time of the whole call.
+  phase_s: seconds per phase where the decoder measures them (profile mode).
+  """
+
+  rounds: int = 0
+  new_tokens: int = 0
+  mean_accept_len: float = 0.0
+  tokens_per_s: float = 0.0
+  time_to_first_token_s: float = 0.0
+  total_s: float = 0.0
+  phase_s: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class GenerateOutput:
+  """tokens: new ids (list, or a list per prompt for batch input, EOS included when
+  hit); text: decoded new text (str or list of str); stats: ``GenerateStats``."""
+
+  tokens: Any
+  text: Any
+  stats: GenerateStats
+
+
+class Decoder(Protocol):
+  """What ``generate`` needs from a decoding method."""
+
+  scratch_rows: int  # cache rows a round writes past the committed length
+
+  def start(self, tokens: jax.Array, prompt_lens: jax.Array, capacity: int,
+            key: jax.Array) -> tuple[Any, jax.Array]:
+    """Prefill right-padded ``tokens [B, Tp]``; returns (state, first tokens [B])."""
+
+  def step(self, state: Any, active: jax.Array, attend_len: int
+           ) -> tuple[Any, jax.Array, jax.Array]:
+    """One round -> (state, new tokens [B, A], number of new tokens [B])."""
+
+
+class ARDecoder:
+  """Plain autoregressive decoding: one target call per token."""
+
+  scratch_rows = 1
+
+  def __init__(self, target: Target, sampling: SamplingConfig, seed: int = 0):
+    self.target = target
+    self.sampling = sampling
+    self.key = jax.random.PRNGKey(seed)
+
+  def _next_key(self) -> jax.Array:
+    self.key, sub = jax.random.split(self.key)
+    return sub
+
+  def start(self, tokens, prompt_lens, capacity, key=None):
+    t = self.target
+    cache = t.new_cache(tokens.shape[0], capacity)
+    first, cache, _ = prefill(t.graphdef, t.params, cache, tokens, prompt_lens,
+                              self._next_key(), sampling=self.sampling, taps=(),
+                              attn_impl=t.attn_impl)
+    return (cache, first), first
+
+  def step(self, state, active, attend_len):
+    cache, last = state
+    t = self.target
+    nxt, cache = _ar_step(t.graphdef, t.params, cache, last, active, self._next_key(),
+                          attend_len=attend_len, sampling=self.sampling,
+                          attn_impl=t.attn_impl)
+    return (cache, nxt), nxt[:, None], jnp.ones_like(nxt)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "taps", "attn_impl"),
+                   donate_argnames=("cache",))
+def prefill(graphdef, params, cache, tokens, prompt_lens, key, *, sampling, taps,
+            attn_impl):
+  """Causal pass over right-padded prompts; samples each sequence's first token.
+
+  tokens: [B, Tp]; prompt_lens: [B]. Returns (first [B], cache with lengths =
+  prompt_lens, taps [B, Tp, n*H] or None).
+  """
+  batch, length = tokens.shape
+  model = nnx.merge(graphdef, params)
+  positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+  col = jnp.arange(length)
+  mask = (col[None, :] <= col[:, None])[None] & (col[None, None, :] < prompt_lens[:, None, None])
+  out = model(tokens, positions, cache, mask, attend_len=1, taps=taps,
+              logit_rows=(prompt_lens - 1)[:, None], attn_impl=attn_impl)
+  first = sample(key, out.logits[:, 0], sampling)
+  return first, out.cache.replace(lengths=prompt_lens.astype(jnp.int32)), out.taps
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "attend_len", "sampling", "attn_impl"),
+                   donate_argnames=("cache",))
+def _ar_step(graphdef, params, cache, last, active, key, *, attend_len, sampling, attn_impl):
+  """Feeds ``last [B]`` at position ``lengths`` and samples the next token."""
+  model = nnx.merge(graphdef, params)
+  one = jnp.ones((last.shape[0], 1, 1), bool)
+  out = model(last[:, None], cache.lengths[:, None], cache, one, attend_len=attend_len,
+              attn_impl=attn_impl)
+  cache = out.cache.replace(lengths=cache.lengths + active.astype(jnp.int32))
+  return sample(key, out.logits[:, 0], sampling), cache
+
+
+def encode_prompts(target: Target, prompt, chat: bool = True) -> tuple[list[list[int]], bool]:
+  """Turns a prompt argument into token-id lists.
+
+  prompt: a string (chat template applied unless ``chat=False``), a list of ids,
+  a list of chat messages ({"role", "content"} dicts), or a list of any of those
+  (a batch). Returns (id lists, whether the input was a batch).
+  """
+  def one(p) -> list[int]:
+    if isinstance(p, str):
+      if target.tokenizer is None:
+        raise InputError("this target has no tokenizer; pass token ids instead of text")
+      if not p:
+        raise InputError("empty prompt: pass at least one token or character")
+      return list(target.tokenizer.encode_chat(p) if chat else target.tokenizer.encode(p))
+    if isinstance(p, (list, tuple)) and p and isinstance(p[0], dict):
+      if target.tokenizer is None:
+        raise InputError("this target has no tokenizer; chat messages need one")
+      return list(target.tokenizer.encode_chat(list(p)))
+    ids = [int(x) for x in np.asarray(p).reshape(-1)]
+    if not ids:
+      raise InputError("empty prompt: pass at least one token id")
+    bad = [x for x in ids if not 0 <= x < target.config.vocab_size]
+    if bad:
+      raise InputError(f"token ids {bad[:5]} are outside the vocabulary "
+                       f"[0, {target.config.vocab_size})")
+    return ids
+
+  is_single = (isinstance(prompt, str)
+               or (isinstance(prompt, (list, tuple, np.ndarray)) and len(prompt) > 0
+                   and (np.isscalar(prompt[0]) or isinstance(prompt[0], dict))))
+  if is_single:
+    return [one(prompt)], False
+  if isinstance(prompt, (list, tuple)) and prompt:
+    return [one(p) for p in prompt], True
+  raise InputError(f"empty or unsupported prompt {prompt!r}: pass text, token ids, "
+                   "chat messages, or a non-empty list of those")
+
+
+def stop_token_ids(target: Target, eos_token_ids: Sequence[int] | None) -> frozenset[int]:
+  if eos_token_ids is not None:
+    return frozenset(int(e) for e in eos_token_ids)
+  ids = set(target.config.eos_token_ids)
+  if target.tokenizer is not None:
+    ids |= set(target.tokenizer.eos_token_ids)
+  return frozenset(ids)
+
+
+def _check_generate_args(max_new_tokens: int) -> None:
+  if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+    raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+
+
+def make_decoder(target: Target, sampling: SamplingConfig, seed: int, draft=None,
+                 ngram=None, **method_kwargs) -> Decoder:
+  """The decoder for a method: AR when ``draft`` is None."""
+  if draft is None:
+    if ngram is not None or method_kwargs:
+      raise InputError("ngram / tree options need a draft head (draft=...)")
+    return ARDecoder(target, sampling, seed)
+  make = getattr(draft, "make_decoder", None)
+  if make is None:
+    raise InputError(f"draft={type(draft).__name__} is not a supported draft model")
+  return make(target, sampling=sampling, seed=seed, ngram=ngram, **method_kwargs)
+
+
+def run_rounds(target: Target, prompt_ids: list[list[int]], decoder: Decoder,
+               max_new_tokens: int, stop_ids: frozenset[int],
+               max_length: int | None = None) -> Iterator[tuple[list[list[int]], GenerateStats]]:
+  """Drives a decoder; yields (new ids per sequence this round, running stats)."""
+  _check_generate_args(max_new_tokens)
+  max_len = max_length or target.config.max_position_embeddings
+  longest = max(len(p) for p in prompt_ids)
+  capacity = longest + max_new_tokens + decoder.scratch_rows
+  if capacity > max_len:
+    if longest + decoder.scratch_rows >= max_len:
+      raise InputError(
+          f"prompt of {longest} tokens does not fit the cache: max_length={max_len} "
+          f"(needs room for the prompt, {decoder.scratch_rows} scratch rows and at least "
+          "one new token); shorten the prompt or raise max_length")
+  # Rounded up so that calls with similar lengths share compiled functions.
+  capacity = min(-(-capacity // _CAPACITY_STEP) * _CAPACITY_STEP, max_len)
+  batch = len(prompt_ids)
+  padded_len = min(-(-longest // _PROMPT_PAD) * _PROMPT_PAD, capacity)
+  tokens = np.zeros((batch, padded_len), np.int32)
+  for i, p in enumerate(prompt_ids):
+    tokens[i, :len(p)] = p
+  prompt_lens = np.array([len(p) for p in prompt_ids], np.int32)
+
+  stats = GenerateStats()
+  t0 = time.perf_counter()
+  state, first = decoder.start(jnp.asarray(tokens), jnp.asarray(prompt_lens), capacity,
+                               None)
+  first = np.asarray(first)
+  stats.time_to_first_token_s = time.perf_counter() - t0
+  emitted = [[] for _ in range(batch)]
+  done = np.zeros(batch, bool)
+  committed = prompt_lens.copy()  # tokens in the target cache (the root is not)
+
+  def accept(row: int, new: Sequence[int]) -> list[int]:
+    out = []
+    for tok in new[:max_new_tokens - len(emitted[row])]:
+      out.append(int(tok))
+      if out[-1] in stop_ids:
+        break
+    emitted[row].extend(out)
+    no_room = committed[row] + 1 + decoder.scratch_rows > capacity
+    if (out and out[-1] in stop_ids) or len(emitted[row]) >= max_new_tokens or no_room:
+      done[row] = True
+    return out
+
+  yield [accept(i, [first[i]]) for i in range(batch)], stats
+  t_decode = time.perf_counter()
+  row_rounds = accepted_total = 0
+  while not done.all():
+    active = ~done
+    attend_len = attend_bucket(int(committed[active].max()) + 1, capacity)
+    state, new_tokens, num_new = decoder.step(state, jnp.asarray(active), attend_len)
+    new_tokens, num_new = np.asarray(new_tokens), np.asarray(num_new)
+    stats.rounds += 1
+    row_rounds += int(active.sum())
+    chunk = []
+    for i in range(batch):
+      if not active[i]:
+        chunk.append([])
+        continue
+      accepted_total += int(num_new[i])
+      committed[i] += int(num_new[i])
+      chunk.append(accept(i, new_tokens[i, :num_new[i]].tolist()))
+    elapsed = time.perf_counter() - t_decode
+    stats.new_tokens = sum(len(e) for e in emitted)
+    stats.mean_accept_len = accepted_total / row_rounds
+    stats.tokens_per_s = (stats.new_tokens - batch) / elapsed if elapsed > 0 else 0.0
+    stats.total_s = time.perf_counter() - t0
+    yield chunk, stats
+  stats.new_tokens = sum(len(e) for e in emitted)
+  stats.total_s = time.perf_counter() - t0
+  stats.phase_s.update(getattr(decoder, "phase_s", {}))
+
+
+def _decode_text(target: Target, ids: list[int]) -> str:
+  return target.tokenizer.decode(ids) if target.tokenizer is not None else ""
+
+
+def generate_stream(target: Target, prompt, *, max_new_tokens: int = 128,
+                    temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                    seed: int = 0, chat: bool = True, draft=None, ngram=None,
+                    max_length: int | None = None,
+                    eos_token_ids: Sequence[int] | None = None,
+                    **method_kwargs) -> Iterator[Any]:
+  """Like ``generate`` but yields new text as rounds finish.
+
+  Yields a str per round for a single prompt, a list of str (one per prompt) for a
+  batch. Needs a tokenizer.
+  """
+  if target.tokenizer is None:
+    raise InputError("streaming text needs a tokenizer; use generate() with token ids")
+  sampling = SamplingConfig(temperature, top_p, top_k)
+  prompt_ids, is_batch = encode_prompts(target, prompt, chat)
+  decoder = make_decoder(target, sampling, seed, draft, ngram, **method_kwargs)
+  stream = [target.tokenizer.stream_decoder() for _ in prompt_ids]
+  for chunk, _ in run_rounds(target, prompt_ids, decoder, max_new_tokens,
+                             stop_token_ids(target, eos_token_ids), max_length):
+    texts = [s.feed(ids) for s, ids in zip(stream, chunk)]
+    if is_batch:
+      yield texts
+    elif texts[0]:
+      yield texts[0]
+  tails = [s.flush() for s in stream]
+  if is_batch and any(tails):
+    yield tails
+  elif not is_batch and tails[0]:
+    yield tails[0]
+
+
+def generate(target: Target, prompt, *, max_new_tokens: int = 128,
+             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+             seed: int = 0, chat: bool = True, draft=None, ngram=None,
+             max_length: int | None = None,
+             eos_token_ids: Sequence[int] | None = None,
+             **method_kwargs) -> GenerateOutput:
+  """Generates a continuation, plainly or with a speculative draft model.
+
+  Args:
+    target: a ``Target`` from ``load_target``.
+    prompt: text (chat template applied unless ``chat=False``), token ids, chat
+      messages, or a list of those (a batch; ragged lengths are fine).
+    max_new_tokens: per sequence.
+    temperature, top_p, top_k: target sampling (temperature 0 = greedy). Applied in
+      that order; speculative decoding samples from exactly this distribution.
+    seed: RNG seed.
+    draft: None for plain autoregressive decoding, or a draft model (e.g. a DART
+      head from ``load_dart``).
+    ngram: N-gram table for DART's tree search.
+    max_length: cache capacity (prompt + generation); default the model's
+      ``max_position_embeddings``.
+    eos_token_ids: stop tokens; default the model's and tokenizer's EOS ids; ``()``
+      never stops early.
+    **method_kwargs: options of the draft method (e.g. ``tree=TreeConfig(...)``).
+  Returns:
+    ``GenerateOutput`` with ``.tokens``, ``.text`` and ``.stats``.
+  """
+  sampling = SamplingConfig(temperature, top_p, top_k)
+  prompt_ids, is_batch = encode_prompts(target, prompt, chat)
+  decoder = make_decoder(target, sampling, seed, draft, ngram, **method_kwargs)
+  emitted = [[] for _ in prompt_ids]
+  stats = GenerateStats()
+  for chunk, stats in run_rounds(target, prompt_ids, decoder, max_new_tokens,
+                                 stop_token_ids(target, eos_token_ids), max_length):
+    for row, ids in zip(emitted, chunk):
+      row.extend(ids)
+  texts = [_decode_text(target, ids) for ids in emitted]
+  if is_batch:
+    return GenerateOutput(emitted, texts, stats)
+  return GenerateOutput(emitted[0], texts[0], stats)

@@ -1,0 +1,84 @@
+"""Building blocks shared by the target models and the draft heads."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm computed in float32 (as HF does), scale applied in the input dtype."""
+
+  def __init__(self, dim: int, eps: float, *, param_dtype=jnp.float32):
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.scale[...].astype(x.dtype) * normed.astype(x.dtype)
+
+
+def linear(in_features: int, out_features: int, *, rngs: nnx.Rngs,
+           param_dtype=jnp.float32, use_bias: bool = False,
+           stddev: float = 0.02) -> nnx.Linear:
+  """A dense layer with a [in, out] kernel and normal(stddev) init."""
+  return nnx.Linear(
+      in_features, out_features, use_bias=use_bias, param_dtype=param_dtype,
+      kernel_init=nnx.initializers.normal(stddev), rngs=rngs)
+
+
+class SwiGLU(nnx.Module):
+  """``down(silu(gate(x)) * up(x))``."""
+
+  def __init__(self, hidden: int, intermediate: int, *, rngs: nnx.Rngs,
+               param_dtype=jnp.float32):
+    self.gate_proj = linear(hidden, intermediate, rngs=rngs, param_dtype=param_dtype)
+    self.up_proj = linear(hidden, intermediate, rngs=rngs, param_dtype=param_dtype)
+    self.down_proj = linear(intermediate, hidden, rngs=rngs, param_dtype=param_dtype)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+  """cos/sin tables for rotate-half RoPE.
+
+  Args:
+    positions: [..., T] int positions.
+    inv_freq: [hd/2] inverse frequencies.
+  Returns:
+    cos, sin: [..., T, hd/2] float32.
+  """
+  angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+  return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """Rotate-half RoPE. x: [B, T, H, hd]; cos/sin: [B, T, hd/2]."""
+  half = x.shape[-1] // 2
+  x32 = x.astype(jnp.float32)
+  x1, x2 = x32[..., :half], x32[..., half:]
+  c, s = cos[:, :, None, :], sin[:, :, None, :]
+  out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+  return out.astype(x.dtype)
+
+
+def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
+  """Writes ``rows`` into ``cache`` at per-sequence offsets, in place when donated.
+
+  Args:
+    cache: [B, S, ...] buffer.
+    rows: [B, T, ...] new entries.
+    start: [B] int offsets; row b goes to ``cache[b, start[b]:start[b]+T]``.
+  Returns:
+    The updated cache.
+  """
+  def one(c, r, s):
+    return jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), s, axis=0)
+  return jax.vmap(one)(cache, rows, start)
+
+
+def gather_rows(cache: jax.Array, index: jax.Array) -> jax.Array:
+  """``cache[b, index[b, j]]`` -> [B, J, ...]."""
+  return jax.vmap(lambda c, i: jnp.take(c, i, axis=0))(cache, index)

@@ -1,0 +1,171 @@
+"""The target model handle: config + NNX graphdef/params + tokenizer, and loading."""
+
+import dataclasses
+import functools
+import logging
+import os
+import re
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dart_jax.errors import CheckpointError
+from dart_jax.models.config import ModelConfig, config_from_hf
+from dart_jax.models.transformer import KVCache, ModelOutput, Transformer
+
+log = logging.getLogger(__name__)
+
+
+def default_dtype() -> jnp.dtype:
+  """float32 on CPU (bf16 is 3-5x slower there), bfloat16 on TPU/GPU."""
+  return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Target:
+  """A loaded target model, used functionally.
+
+  Attributes:
+    config: the architecture.
+    graphdef: static NNX graph of ``Transformer``.
+    params: NNX state (a pytree of arrays).
+    tokenizer: ``dart_jax.io.Tokenizer`` or None for token-id-only use.
+    dtype: compute / cache dtype.
+    attn_impl: tree_attention implementation used by every call.
+    source: where the weights came from (for messages).
+  """
+
+  config: ModelConfig
+  graphdef: Any
+  params: Any
+  tokenizer: Any = None
+  dtype: Any = jnp.float32
+  attn_impl: str = "auto"
+  source: str = ""
+
+  @classmethod
+  def init(cls, config: ModelConfig, *, seed: int = 0, dtype=None, tokenizer=None,
+           attn_impl: str = "auto") -> "Target":
+    """A randomly initialised target (tests, tiny experiments)."""
+    dtype = dtype or default_dtype()
+    model = Transformer(config, rngs=nnx.Rngs(seed), param_dtype=dtype)
+    graphdef, params = nnx.split(model)
+    return cls(config, graphdef, params, tokenizer, dtype, attn_impl, "random")
+
+  def module(self) -> Transformer:
+    """The NNX module (call inside jit, as flax examples/gemma does)."""
+    return nnx.merge(self.graphdef, self.params)
+
+  def new_cache(self, batch: int, capacity: int) -> KVCache:
+    return KVCache.create(self.config, batch, capacity, self.dtype)
+
+  def forward(self, tokens, positions, cache, tree_mask, *, attend_len=None,
+              taps=(), logit_rows=None) -> ModelOutput:
+    """Jitted ``Transformer.__call__`` (donates ``cache``)."""
+    return _forward(self.graphdef, self.params, tokens, positions, cache, tree_mask,
+                    attend_len=attend_len, taps=tuple(taps), logit_rows=logit_rows,
+                    attn_impl=self.attn_impl)
+
+  def with_params(self, params) -> "Target":
+    return dataclasses.replace(self, params=params)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "attend_len", "taps", "attn_impl"),
+                   donate_argnames=("cache",))
+def _forward(graphdef, params, tokens, positions, cache, tree_mask, *, attend_len, taps,
+             logit_rows, attn_impl):
+  model = nnx.merge(graphdef, params)
+  return model(tokens, positions, cache, tree_mask, attend_len=attend_len, taps=taps,
+               logit_rows=logit_rows, attn_impl=attn_impl)
+
+
+# HF parameter name for each NNX state path of ``Transformer``.
+_HF_NAME_RULES = (
+    (r"embed_tokens/embedding", "model.embed_tokens.weight"),
+    (r"norm/scale", "model.norm.weight"),
+    (r"lm_head/kernel", "lm_head.weight"),
+    (r"layers/(\d+)/(self_attn|mlp)/(\w+_proj)/kernel", r"model.layers.\1.\2.\3.weight"),
+    (r"layers/(\d+)/(self_attn|mlp)/(\w+_proj)/bias", r"model.layers.\1.\2.\3.bias"),
+    (r"layers/(\d+)/self_attn/(q_norm|k_norm)/scale", r"model.layers.\1.self_attn.\2.weight"),
+    (r"layers/(\d+)/(\w+_layernorm)/scale", r"model.layers.\1.\2.weight"),
+)
+
+
+def hf_name(path: str) -> str:
+  """Maps an NNX state path like ``layers/3/mlp/up_proj/kernel`` to its HF name."""
+  for pattern, repl in _HF_NAME_RULES:
+    if re.fullmatch(pattern, path):
+      return re.sub(pattern, repl, path)
+  raise KeyError(f"no HF name for parameter path {path!r}")
+
+
+def params_from_hf(config: ModelConfig, tensors: Mapping[str, np.ndarray], dtype,
+                   source: str = "") -> tuple[Any, Any]:
+  """Builds (graphdef, params) from HF-named tensors ([out, in] linear weights)."""
+  abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), param_dtype=dtype))
+  graphdef, state = nnx.split(abstract)
+  flat = nnx.to_flat_state(state)
+  missing, leaves = [], []
+  for path, var in flat:
+    key = "/".join(str(p) for p in path)
+    name = hf_name(key)
+    if name not in tensors:
+      missing.append(name)
+      leaves.append((path, var))
+      continue
+    array = np.asarray(tensors[name], dtype=np.float32)
+    if key.endswith("/kernel"):
+      array = array.T
+    if array.shape != tuple(var.shape):
+      raise CheckpointError(
+          f"{source}: tensor {name} has shape {array.shape} (as loaded), but the config "
+          f"expects {tuple(var.shape)}; config.json and the weights disagree")
+    leaves.append((path, var.replace(jnp.asarray(array, dtype=dtype))))
+  if missing:
+    raise CheckpointError(
+        f"{source}: missing {len(missing)} tensor(s), e.g. {missing[:3]}; is this a "
+        f"{config.arch} checkpoint matching its config.json?")
+  return graphdef, nnx.from_flat_state(leaves)
+
+
+def load_target(path: str | os.PathLike | None = None, *, dtype=None,
+                attn_impl: str = "auto") -> Target:
+  """Loads a target model.
+
+  Args:
+    path: a HF directory (config.json + model.safetensors or sharded safetensors
+      with an index), a ``.gguf`` file, or None for the embedded default
+      (SmolLM2-135M-Instruct, converted once into ``dart_jax.io.cache_dir()``).
+    dtype: parameter/compute dtype; default float32 on CPU, bfloat16 elsewhere.
+    attn_impl: tree_attention implementation ("auto" picks the kernel per backend).
+  Returns:
+    A ``Target``.
+  """
+  from dart_jax import io as dio  # Local import: io is heavy (gguf, tokenizers).
+
+  dtype = dtype or default_dtype()
+  if path is None:
+    path = dio.ensure_embedded_converted()
+  path = os.fspath(path)
+  if not os.path.exists(path):
+    raise CheckpointError(f"no checkpoint at {path!r}: expected a HF model directory "
+                          "(config.json + *.safetensors) or a .gguf file")
+  if os.path.isfile(path):
+    if not path.endswith(".gguf"):
+      raise CheckpointError(f"{path!r} is a file but not a .gguf; pass a HF model "
+                            "directory or a .gguf file")
+    hf_config, tensors, tokenizer = dio.read_gguf(path)
+  else:
+    hf_config, tensors = dio.read_safetensors_dir(path)
+    tokenizer = None
+    if os.path.exists(os.path.join(path, "tokenizer.json")):
+      tokenizer = dio.Tokenizer.from_dir(path)
+  config = config_from_hf(hf_config)
+  if tokenizer is not None and not config.eos_token_ids and tokenizer.eos_token_ids:
+    config = dataclasses.replace(config, eos_token_ids=tuple(tokenizer.eos_token_ids))
+  graphdef, params = params_from_hf(config, tensors, dtype, source=path)
+  log.info("loaded %s target from %s", config.arch, path)
+  return Target(config, graphdef, params, tokenizer, dtype, attn_impl, path)

@@ -1,0 +1,219 @@
+"""Llama / Qwen3 decoder in Flax NNX, with a preallocated per-layer KV cache.
+
+Every call is the same operation: T new tokens at given positions attend to the
+first ``cache.lengths[b]`` cache entries plus the new tokens their ``tree_mask``
+row allows. Prefill is a causal mask, decode is T=1, tree verification is an
+ancestor mask. The new K/V are written at ``cache.lengths`` (per sequence);
+``lengths`` itself is not advanced here, the caller decides how many of the new
+entries become committed (all for prefill/decode, the accepted path for trees,
+see ``KVCache.compact``).
+"""
+
+from typing import NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dart_jax.models import layers
+from dart_jax.models.config import ModelConfig, rope_inv_freq
+from kernels.tree_attention import tree_attention
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Per-layer key/value buffers and the committed length of each sequence.
+
+  k, v: tuples of L arrays [B, S, Hkv, hd] (one buffer per layer so a decoding
+    step updates each in place when the cache is donated).
+  lengths: [B] int32, committed entries per sequence.
+  """
+
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
+  lengths: jax.Array
+
+  @classmethod
+  def create(cls, config: ModelConfig, batch: int, capacity: int,
+             dtype=jnp.float32) -> "KVCache":
+    shape = (batch, capacity, config.num_kv_heads, config.head_dim)
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+    return cls(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+               lengths=jnp.zeros((batch,), jnp.int32))
+
+  @property
+  def capacity(self) -> int:
+    return self.k[0].shape[1]
+
+  def compact(self, accepted_index: jax.Array, accepted_len: jax.Array) -> "KVCache":
+    """Keeps an accepted path of the entries last written at ``lengths``.
+
+    Args:
+      accepted_index: [B, A] offsets (from ``lengths``) of the accepted entries in
+        path order; entries past ``accepted_len`` are ignored.
+      accepted_len: [B] number of accepted entries.
+    Returns:
+      The cache with the accepted entries moved to ``lengths .. lengths+len-1`` and
+      ``lengths`` advanced by ``accepted_len``.
+    """
+    src = self.lengths[:, None] + accepted_index
+
+    def move(buf):
+      return layers.write_rows(buf, layers.gather_rows(buf, src), self.lengths)
+
+    return KVCache(k=tuple(move(b) for b in self.k), v=tuple(move(b) for b in self.v),
+                   lengths=self.lengths + accepted_len.astype(jnp.int32))
+
+
+class ModelOutput(NamedTuple):
+  """logits: [B, K, V] float32 (K = rows asked for); taps: [B, T, n*H] or None."""
+
+  logits: jax.Array | None
+  cache: KVCache
+  taps: jax.Array | None
+
+
+class Attention(nnx.Module):
+  """Multi-head attention with GQA, RoPE and (Qwen3) q/k RMSNorm."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+    c = config
+    kw = dict(rngs=rngs, param_dtype=param_dtype, use_bias=c.attention_bias)
+    self.q_proj = layers.linear(c.hidden_size, c.num_heads * c.head_dim, **kw)
+    self.k_proj = layers.linear(c.hidden_size, c.num_kv_heads * c.head_dim, **kw)
+    self.v_proj = layers.linear(c.hidden_size, c.num_kv_heads * c.head_dim, **kw)
+    self.o_proj = layers.linear(c.num_heads * c.head_dim, c.hidden_size, rngs=rngs,
+                                param_dtype=param_dtype)
+    if c.qk_norm:
+      self.q_norm = layers.RMSNorm(c.head_dim, c.rms_norm_eps, param_dtype=param_dtype)
+      self.k_norm = layers.RMSNorm(c.head_dim, c.rms_norm_eps, param_dtype=param_dtype)
+    self.config = config
+
+  def __call__(self, x, cos, sin, k_cache, v_cache, lengths, tree_mask, attend_len,
+               attn_impl):
+    """x: [B, T, H]; caches [B, S, Hkv, hd] -> (out [B, T, H], k_cache, v_cache)."""
+    c = self.config
+    b, t, _ = x.shape
+    q = self.q_proj(x).reshape(b, t, c.num_heads, c.head_dim)
+    k = self.k_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
+    v = self.v_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
+    if c.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
+    # Only the first attend_len (>= max length) cache rows are read: the rest is
+    # padding, and reading it dominates the cost of short contexts.
+    out = tree_attention(q, k_cache[:, :attend_len], v_cache[:, :attend_len], lengths,
+                         k.astype(k_cache.dtype), v.astype(v_cache.dtype), tree_mask,
+                         impl=attn_impl)
+    k_cache = layers.write_rows(k_cache, k, lengths)
+    v_cache = layers.write_rows(v_cache, v, lengths)
+    return self.o_proj(out.reshape(b, t, -1)), k_cache, v_cache
+
+
+class Block(nnx.Module):
+  """Pre-norm decoder layer."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+    self.input_layernorm = layers.RMSNorm(config.hidden_size, config.rms_norm_eps,
+                                          param_dtype=param_dtype)
+    self.self_attn = Attention(config, rngs=rngs, param_dtype=param_dtype)
+    self.post_attention_layernorm = layers.RMSNorm(
+        config.hidden_size, config.rms_norm_eps, param_dtype=param_dtype)
+    self.mlp = layers.SwiGLU(config.hidden_size, config.intermediate_size, rngs=rngs,
+                             param_dtype=param_dtype)
+
+  def __call__(self, x, cos, sin, k_cache, v_cache, lengths, tree_mask, attend_len,
+               attn_impl):
+    attn, k_cache, v_cache = self.self_attn(
+        self.input_layernorm(x), cos, sin, k_cache, v_cache, lengths, tree_mask,
+        attend_len, attn_impl)
+    x = x + attn
+    x = x + self.mlp(self.post_attention_layernorm(x))
+    return x, k_cache, v_cache
+
+
+class Transformer(nnx.Module):
+  """A Llama-family or Qwen3 causal LM."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+    self.config = config
+    self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size,
+                                  param_dtype=param_dtype,
+                                  embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+    self.layers = nnx.List([Block(config, rngs=rngs, param_dtype=param_dtype)
+                            for _ in range(config.num_layers)])
+    self.norm = layers.RMSNorm(config.hidden_size, config.rms_norm_eps,
+                               param_dtype=param_dtype)
+    if not config.tie_embeddings:
+      self.lm_head = layers.linear(config.hidden_size, config.vocab_size, rngs=rngs,
+                                   param_dtype=param_dtype)
+    self.inv_freq = tuple(float(f) for f in rope_inv_freq(config))
+
+  def embed(self, tokens: jax.Array) -> jax.Array:
+    """tokens [...] -> [..., H]."""
+    return self.embed_tokens(tokens)
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    """Final norm + LM head in float32. hidden [..., H] -> [..., V]."""
+    h = self.norm(hidden)
+    if self.config.tie_embeddings:
+      w = self.embed_tokens.embedding[...]
+      return jnp.einsum("...h,vh->...v", h, w, preferred_element_type=jnp.float32)
+    return self.lm_head(h).astype(jnp.float32)
+
+  def __call__(
+      self,
+      tokens: jax.Array,
+      positions: jax.Array,
+      cache: KVCache,
+      tree_mask: jax.Array,
+      *,
+      attend_len: int | None = None,
+      taps: tuple[int, ...] = (),
+      logit_rows: jax.Array | None = None,
+      attn_impl: str = "auto",
+  ) -> ModelOutput:
+    """Runs T new tokens per sequence against the cache.
+
+    Args:
+      tokens: [B, T] int32.
+      positions: [B, T] int32 RoPE positions.
+      cache: the KV cache; new K/V are written at ``cache.lengths``.
+      tree_mask: [B, T, T] bool; row i says which new tokens token i sees.
+      attend_len: static bound on ``max(cache.lengths)``; only that many cache rows
+        are read (default: the whole cache).
+      taps: residual-stream indices to return, as HF ``hidden_states``: index i is
+        the input of layer i (0 = embeddings), index L the output of the last
+        layer before the final norm. DART reads the inputs of layers 2, L//2, L-3;
+        DFlash the outputs of its target layers (index layer+1).
+      logit_rows: [B, K] rows of T to compute logits for; None = all T rows.
+        Pass an empty [B, 0] array to skip the LM head.
+      attn_impl: tree_attention implementation.
+    Returns:
+      ModelOutput(logits [B, K, V] float32, cache, taps [B, T, len(taps)*H]).
+    """
+    attend_len = cache.capacity if attend_len is None else min(attend_len, cache.capacity)
+    cos, sin = layers.rope_cos_sin(positions, self.inv_freq)
+    x = self.embed(tokens)
+    hidden_states = [x]
+    new_k, new_v = [], []
+    for i, block in enumerate(self.layers):
+      x, k, v = block(x, cos, sin, cache.k[i], cache.v[i], cache.lengths, tree_mask,
+                      attend_len, attn_impl)
+      new_k.append(k)
+      new_v.append(v)
+      hidden_states.append(x)
+    tap_out = (jnp.concatenate([hidden_states[i] for i in taps], axis=-1)
+               if taps else None)
+    if logit_rows is not None:
+      x = layers.gather_rows(x, logit_rows)
+    logits = self.logits(x) if x.shape[1] else None
+    cache = KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths)
+    return ModelOutput(logits=logits, cache=cache, taps=tap_out)
+
+
+def causal_mask(batch: int, length: int) -> jax.Array:
+  """[B, T, T] lower-triangular mask."""
+  return jnp.broadcast_to(jnp.tril(jnp.ones((length, length), bool)),
+                          (batch, length, length))
