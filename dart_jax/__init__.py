@@ -1,6 +1,26 @@
-"""dart-jax: lossless speculative decoding (DART, DARTree) in JAX."""
+"""dart-jax: lossless speculative decoding (DART, DARTree) in JAX.
 
+    import dart_jax as dj
+    target = dj.load_target()                 # embedded SmolLM2-135M-Instruct
+    out = dj.generate(target, "Hello", max_new_tokens=64)
+    head = dj.load_dart("/path/to/dart_dir", target)
+    out = dj.generate(target, "Hello", draft=head, ngram=dj.ngram.NGram.load_trie(p))
+"""
+
+try:
+  from dart_jax import ngram, tree
+except ImportError:  # TEMP while being written
+  pass
+from dart_jax.draft.dart_head import DartConfig, DartHead, load_dart, save_dart
 from dart_jax.errors import CheckpointError, ConfigError, DartJaxError, InputError
+from dart_jax.generate import GenerateOutput, GenerateStats, generate, generate_stream
 from dart_jax.models import ModelConfig, Target, load_target
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError", "ConfigError", "DartConfig", "DartHead", "DartJaxError",
+    "GenerateOutput", "GenerateStats", "InputError", "ModelConfig", "Target",
+    "generate", "generate_stream", "load_dart", "load_target", "ngram", "save_dart",
+    "tree",
+]

@@ -297,11 +297,13 @@ def generate_stream(target: Target, prompt, *, max_new_tokens: int = 128,
                     seed: int = 0, chat: bool = True, draft=None, ngram=None,
                     max_length: int | None = None,
                     eos_token_ids: Sequence[int] | None = None,
+                    stats_out: dict | None = None,
                     **method_kwargs) -> Iterator[Any]:
   """Like ``generate`` but yields new text as rounds finish.
 
   Yields a str per round for a single prompt, a list of str (one per prompt) for a
-  batch. Needs a tokenizer.
+  batch. Needs a tokenizer. If ``stats_out`` is a dict, ``stats_out["stats"]``
+  holds the ``GenerateStats`` once the stream is exhausted.
   """
   if target.tokenizer is None:
     raise InputError("streaming text needs a tokenizer; use generate() with token ids")
@@ -309,8 +311,10 @@ def generate_stream(target: Target, prompt, *, max_new_tokens: int = 128,
   prompt_ids, is_batch = encode_prompts(target, prompt, chat)
   decoder = make_decoder(target, sampling, seed, draft, ngram, **method_kwargs)
   stream = [target.tokenizer.stream_decoder() for _ in prompt_ids]
-  for chunk, _ in run_rounds(target, prompt_ids, decoder, max_new_tokens,
-                             stop_token_ids(target, eos_token_ids), max_length):
+  for chunk, stats in run_rounds(target, prompt_ids, decoder, max_new_tokens,
+                                 stop_token_ids(target, eos_token_ids), max_length):
+    if stats_out is not None:
+      stats_out["stats"] = stats
     texts = [s.feed(ids) for s, ids in zip(stream, chunk)]
     if is_batch:
       yield texts

@@ -4,6 +4,8 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
+import numpy as np
+
 from dart_jax.errors import ConfigError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
@@ -64,7 +66,7 @@ _ARCH_BY_HF_NAME = {
 _ARCH_BY_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3"}
 
 
-def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+def rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
   """Reads theta and scaling from classic or ``rope_parameters`` configs."""
   params = hf.get("rope_parameters")
   scaling = hf.get("rope_scaling")
@@ -103,7 +105,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
   try:
     num_heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
-    theta, scaling = _rope_from_hf(hf)
+    theta, scaling = rope_from_hf(hf)
     eos = hf.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (
         () if eos is None else (int(eos),))
@@ -130,15 +132,12 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     raise ConfigError(f"config.json is missing required key {e.args[0]!r}") from e
 
 
-def rope_inv_freq(config: ModelConfig):
-  """Inverse RoPE frequencies [head_dim // 2] (numpy), Llama-3 scaling applied."""
-  import numpy as np
-
-  half = config.head_dim // 2
-  inv = 1.0 / (config.rope_theta ** (np.arange(0, half, dtype=np.float64) * 2 / config.head_dim))
-  s = config.rope_scaling
-  if s is None:
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+  """Inverse RoPE frequencies [head_dim // 2], Llama-3 scaling applied."""
+  inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+  if scaling is None:
     return inv.astype(np.float32)
+  s = scaling
   low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
   high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
   wavelen = 2 * math.pi / inv

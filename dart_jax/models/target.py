@@ -60,7 +60,9 @@ class Target:
     return nnx.merge(self.graphdef, self.params)
 
   def new_cache(self, batch: int, capacity: int) -> KVCache:
-    return KVCache.create(self.config, batch, capacity, self.dtype)
+    c = self.config
+    return KVCache.create(c.num_layers, batch, capacity, c.num_kv_heads, c.head_dim,
+                          self.dtype)
 
   def forward(self, tokens, positions, cache, tree_mask, *, attend_len=None,
               taps=(), logit_rows=None) -> ModelOutput:

@@ -35,11 +35,11 @@ class KVCache:
   lengths: jax.Array
 
   @classmethod
-  def create(cls, config: ModelConfig, batch: int, capacity: int,
-             dtype=jnp.float32) -> "KVCache":
-    shape = (batch, capacity, config.num_kv_heads, config.head_dim)
-    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
-    return cls(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+  def create(cls, num_layers: int, batch: int, capacity: int, num_kv_heads: int,
+             head_dim: int, dtype=jnp.float32) -> "KVCache":
+    shape = (batch, capacity, num_kv_heads, head_dim)
+    return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+               v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
                lengths=jnp.zeros((batch,), jnp.int32))
 
   @property
@@ -75,30 +75,36 @@ class ModelOutput(NamedTuple):
 
 
 class Attention(nnx.Module):
-  """Multi-head attention with GQA, RoPE and (Qwen3) q/k RMSNorm."""
+  """Multi-head attention with GQA, RoPE, optional q/k RMSNorm (Qwen3), on a cache."""
 
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
-    c = config
-    kw = dict(rngs=rngs, param_dtype=param_dtype, use_bias=c.attention_bias)
-    self.q_proj = layers.linear(c.hidden_size, c.num_heads * c.head_dim, **kw)
-    self.k_proj = layers.linear(c.hidden_size, c.num_kv_heads * c.head_dim, **kw)
-    self.v_proj = layers.linear(c.hidden_size, c.num_kv_heads * c.head_dim, **kw)
-    self.o_proj = layers.linear(c.num_heads * c.head_dim, c.hidden_size, rngs=rngs,
+  def __init__(self, *, in_features: int, out_features: int, num_heads: int,
+               num_kv_heads: int, head_dim: int, qk_norm: bool = False,
+               eps: float = 1e-6, use_bias: bool = False, rngs: nnx.Rngs,
+               param_dtype=jnp.float32):
+    kw = dict(rngs=rngs, param_dtype=param_dtype, use_bias=use_bias)
+    self.q_proj = layers.linear(in_features, num_heads * head_dim, **kw)
+    self.k_proj = layers.linear(in_features, num_kv_heads * head_dim, **kw)
+    self.v_proj = layers.linear(in_features, num_kv_heads * head_dim, **kw)
+    self.o_proj = layers.linear(num_heads * head_dim, out_features, rngs=rngs,
                                 param_dtype=param_dtype)
-    if c.qk_norm:
-      self.q_norm = layers.RMSNorm(c.head_dim, c.rms_norm_eps, param_dtype=param_dtype)
-      self.k_norm = layers.RMSNorm(c.head_dim, c.rms_norm_eps, param_dtype=param_dtype)
-    self.config = config
+    if qk_norm:
+      self.q_norm = layers.RMSNorm(head_dim, eps, param_dtype=param_dtype)
+      self.k_norm = layers.RMSNorm(head_dim, eps, param_dtype=param_dtype)
+    self.qk_norm = qk_norm
+    self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
 
   def __call__(self, x, cos, sin, k_cache, v_cache, lengths, tree_mask, attend_len,
                attn_impl):
-    """x: [B, T, H]; caches [B, S, Hkv, hd] -> (out [B, T, H], k_cache, v_cache)."""
-    c = self.config
+    """x: [B, T, in]; caches [B, S, Hkv, hd] -> (out [B, T, out], k_cache, v_cache).
+
+    The T new tokens see ``cache[:lengths]`` and the new tokens ``tree_mask``
+    allows; their K/V are then written at ``lengths``.
+    """
     b, t, _ = x.shape
-    q = self.q_proj(x).reshape(b, t, c.num_heads, c.head_dim)
-    k = self.k_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
-    v = self.v_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
-    if c.qk_norm:
+    q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+    k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+    v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+    if self.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
     # Only the first attend_len (>= max length) cache rows are read: the rest is
@@ -117,7 +123,11 @@ class Block(nnx.Module):
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
     self.input_layernorm = layers.RMSNorm(config.hidden_size, config.rms_norm_eps,
                                           param_dtype=param_dtype)
-    self.self_attn = Attention(config, rngs=rngs, param_dtype=param_dtype)
+    c = config
+    self.self_attn = Attention(
+        in_features=c.hidden_size, out_features=c.hidden_size, num_heads=c.num_heads,
+        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, qk_norm=c.qk_norm,
+        eps=c.rms_norm_eps, use_bias=c.attention_bias, rngs=rngs, param_dtype=param_dtype)
     self.post_attention_layernorm = layers.RMSNorm(
         config.hidden_size, config.rms_norm_eps, param_dtype=param_dtype)
     self.mlp = layers.SwiGLU(config.hidden_size, config.intermediate_size, rngs=rngs,
@@ -148,7 +158,8 @@ class Transformer(nnx.Module):
     if not config.tie_embeddings:
       self.lm_head = layers.linear(config.hidden_size, config.vocab_size, rngs=rngs,
                                    param_dtype=param_dtype)
-    self.inv_freq = tuple(float(f) for f in rope_inv_freq(config))
+    self.inv_freq = tuple(float(f) for f in rope_inv_freq(
+        config.head_dim, config.rope_theta, config.rope_scaling))
 
   def embed(self, tokens: jax.Array) -> jax.Array:
     """tokens [...] -> [..., H]."""

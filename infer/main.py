@@ -1,0 +1,72 @@
+"""Command-line generation: ``python -m infer.main --prompt "..."``.
+
+Streams the answer of the target model (the embedded SmolLM2-135M-Instruct by
+default), plainly or with DART speculative decoding.
+"""
+
+import argparse
+import sys
+
+import dart_jax as dj
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog="python -m infer.main",
+      description="Generate text with a target model, optionally with DART "
+                  "speculative decoding (same output, faster).")
+  p.add_argument("--prompt", required=True,
+                 help="user message (the chat template is applied unless --no-chat)")
+  p.add_argument("--model", default=None,
+                 help="HF model directory or .gguf file (default: the embedded "
+                      "SmolLM2-135M-Instruct)")
+  p.add_argument("--draft", default=None,
+                 help="DART head directory (reference format); enables DART")
+  p.add_argument("--ngram", default=None, help="N-gram .trie file for DART's tree search")
+  p.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate (256)")
+  p.add_argument("--temperature", type=float, default=0.0,
+                 help="sampling temperature; 0 = greedy (default)")
+  p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
+  p.add_argument("--top-k", type=int, default=0, help="top-k sampling (0 = off)")
+  p.add_argument("--seed", type=int, default=0, help="random seed")
+  p.add_argument("--tree-budget", type=int, default=None,
+                 help="DART: draft nodes verified per round (remain_total)")
+  p.add_argument("--no-chat", action="store_true", help="use the prompt as raw text")
+  p.add_argument("--stats", action="store_true", help="print statistics to stderr")
+  return p
+
+
+def main(argv=None) -> int:
+  args = build_parser().parse_args(argv)
+  try:
+    target = dj.load_target(args.model)
+    kwargs = {}
+    if args.draft:
+      kwargs["draft"] = dj.load_dart(args.draft, target)
+      if args.ngram:
+        kwargs["ngram"] = dj.ngram.NGram.load_trie(args.ngram)
+      if args.tree_budget:
+        kwargs["tree"] = dj.tree.TreeConfig(remain_total=args.tree_budget)
+    elif args.ngram or args.tree_budget:
+      raise dj.InputError("--ngram and --tree-budget need --draft")
+    stream = dj.generate_stream(
+        target, args.prompt, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, chat=not args.no_chat, stats_out=(stats := {}), **kwargs)
+    for chunk in stream:
+      sys.stdout.write(chunk)
+      sys.stdout.flush()
+    sys.stdout.write("\n")
+    if args.stats and stats:
+      s = stats["stats"]
+      print(f"[{s.new_tokens} tokens, {s.tokens_per_s:.1f} tok/s, "
+            f"{s.mean_accept_len:.2f} tokens/round, "
+            f"first token {s.time_to_first_token_s:.2f}s]", file=sys.stderr)
+  except dj.DartJaxError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

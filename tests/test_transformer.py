@@ -1,0 +1,136 @@
+"""Target model call modes: prefill, decode and tree verify agree with each other."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dart_jax.models import ModelConfig, Target, causal_mask
+from dart_jax.models.transformer import KVCache
+
+CONFIGS = {
+    "llama_gqa": ModelConfig(arch="llama", vocab_size=101, hidden_size=48,
+                             intermediate_size=96, num_layers=3, num_heads=6,
+                             num_kv_heads=2, head_dim=8, rope_theta=500.0),
+    "qwen3": ModelConfig(arch="qwen3", vocab_size=101, hidden_size=32,
+                         intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                         head_dim=16, qk_norm=True, tie_embeddings=True),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def target(request):
+  return Target.init(CONFIGS[request.param], seed=1)
+
+
+def _full_logits(target, seqs, width=24):
+  """Causal forward of each (unpadded) sequence from an empty cache -> last logits."""
+  batch = len(seqs)
+  tokens = np.zeros((batch, width), np.int32)
+  for i, s in enumerate(seqs):
+    tokens[i, :len(s)] = s
+  lens = jnp.asarray([len(s) for s in seqs])
+  col = jnp.arange(width)
+  mask = (col[None, :] <= col[:, None])[None] & (col[None, None, :] < lens[:, None, None])
+  pos = jnp.broadcast_to(col, (batch, width))
+  out = target.forward(jnp.asarray(tokens), pos, target.new_cache(batch, 32), mask,
+                       logit_rows=(lens - 1)[:, None])
+  return np.asarray(out.logits[:, 0])
+
+
+def test_prefill_then_decode_matches_full_forward(target):
+  rng = np.random.RandomState(0)
+  toks = jnp.asarray(rng.randint(0, 101, (2, 10)), jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(10), (2, 10))
+  full = target.forward(toks, pos, target.new_cache(2, 32), causal_mask(2, 10)).logits
+  out = target.forward(toks[:, :6], pos[:, :6], target.new_cache(2, 32),
+                       causal_mask(2, 6), attend_len=8)
+  np.testing.assert_allclose(out.logits, full[:, :6], atol=1e-5)
+  cache = out.cache.replace(lengths=out.cache.lengths + 6)
+  for i in range(6, 10):
+    out = target.forward(toks[:, i:i + 1], pos[:, i:i + 1], cache,
+                         jnp.ones((2, 1, 1), bool), attend_len=16)
+    cache = out.cache.replace(lengths=out.cache.lengths + 1)
+    np.testing.assert_allclose(out.logits[:, 0], full[:, i], atol=1e-5)
+
+
+def _random_tree(rng, n):
+  parents = np.full(n, -1)
+  for i in range(1, n):
+    parents[i] = rng.randint(0, i)
+  depth = np.zeros(n, np.int32)
+  mask = np.eye(n, dtype=bool)
+  for i in range(1, n):
+    depth[i] = depth[parents[i]] + 1
+    mask[i] = mask[parents[i]]
+    mask[i, i] = True
+  return parents, depth, mask
+
+
+def _path(parents, i):
+  out = []
+  while i >= 0:
+    out.append(i)
+    i = parents[i]
+  return out[::-1]
+
+
+def test_tree_verify_matches_sequential_paths(target):
+  """Ragged batch: each node's logits equal a causal pass over prefix + its path."""
+  rng = np.random.RandomState(3)
+  batch, n = 2, 9
+  prefix_lens = [5, 11]
+  prefixes = [rng.randint(0, 101, l).tolist() for l in prefix_lens]
+  cache = target.new_cache(batch, 32)
+  width = 16
+  tokens = np.zeros((batch, width), np.int32)
+  for b, p in enumerate(prefixes):
+    tokens[b, :len(p)] = p
+  lens = jnp.asarray(prefix_lens)
+  col = jnp.arange(width)
+  mask = (col[None, :] <= col[:, None])[None] & (col[None, None, :] < lens[:, None, None])
+  out = target.forward(jnp.asarray(tokens), jnp.broadcast_to(col, (batch, width)), cache,
+                       mask, logit_rows=jnp.zeros((batch, 0), jnp.int32))
+  cache = out.cache.replace(lengths=lens)
+  trees = [_random_tree(rng, n) for _ in range(batch)]
+  tree_tokens = rng.randint(0, 101, (batch, n)).astype(np.int32)
+  positions = lens[:, None] + jnp.asarray(np.stack([t[1] for t in trees]))
+  tree_mask = jnp.asarray(np.stack([t[2] for t in trees]))
+  verify = target.forward(jnp.asarray(tree_tokens), positions, cache, tree_mask,
+                          attend_len=16)
+  seqs, where = [], []
+  for b in range(batch):
+    for i in range(n):
+      seqs.append(prefixes[b] + [int(tree_tokens[b, j]) for j in _path(trees[b][0], i)])
+      where.append((b, i))
+  expected = _full_logits(target, seqs)
+  got = np.stack([np.asarray(verify.logits[b, i]) for b, i in where])
+  np.testing.assert_allclose(got, expected, atol=2e-5)
+
+
+def test_compact_moves_accepted_entries():
+  c = ModelConfig(arch="llama", vocab_size=11, hidden_size=8, intermediate_size=8,
+                  num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8)
+  k = jnp.arange(2 * 12, dtype=jnp.float32).reshape(2, 12, 1, 1) * jnp.ones((1, 1, 1, 8))
+  cache = KVCache(k=(k,), v=(k + 100,), lengths=jnp.asarray([2, 4]))
+  out = cache.compact(jnp.asarray([[0, 3, 5], [0, 1, 0]]), jnp.asarray([3, 2]))
+  np.testing.assert_array_equal(out.lengths, [5, 6])
+  got = np.asarray(out.k[0][:, :, 0, 0])
+  np.testing.assert_array_equal(got[0, 2:5], [2, 5, 7])  # rows 2+0, 2+3, 2+5
+  np.testing.assert_array_equal(got[1, 4:6], [12 + 4, 12 + 5])
+  np.testing.assert_array_equal(got[0, :2], [0, 1])  # committed rows untouched
+  np.testing.assert_array_equal(np.asarray(out.v[0][0, 3, 0, 0]), 105)
+  del c
+
+
+def test_taps_are_residual_stream_inputs(target):
+  """Tap index 0 is the embedding; the last index is the pre-norm final hidden."""
+  toks = jnp.asarray([[3, 4, 5]], jnp.int32)
+  pos = jnp.arange(3)[None]
+  n = target.config.num_layers
+  out = target.forward(toks, pos, target.new_cache(1, 8), causal_mask(1, 3), taps=(0, n))
+  h = target.config.hidden_size
+  emb = np.asarray(target.params["embed_tokens"]["embedding"][...])[[3, 4, 5]]
+  np.testing.assert_allclose(out.taps[0, :, :h], emb, atol=1e-6)
+  final = target.module().logits(out.taps[:, :, h:])
+  np.testing.assert_allclose(final, out.logits, atol=1e-4)
