@@ -134,3 +134,13 @@ def test_taps_are_residual_stream_inputs(target):
   np.testing.assert_allclose(out.taps[0, :, :h], emb, atol=1e-6)
   final = target.module().logits(out.taps[:, :, h:])
   np.testing.assert_allclose(final, out.logits, atol=1e-4)
+
+
+def test_cache_free_pass_matches_cached_prefill(target):
+  toks = jnp.asarray(np.random.RandomState(5).randint(0, 101, (2, 7)), jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(7), (2, 7))
+  cached = target.forward(toks, pos, target.new_cache(2, 8), causal_mask(2, 7), taps=(1,))
+  free = target.module()(toks, pos, None, causal_mask(2, 7), taps=(1,))
+  assert free.cache is None
+  np.testing.assert_allclose(free.logits, cached.logits, atol=1e-5)
+  np.testing.assert_allclose(free.taps, cached.taps, atol=1e-6)

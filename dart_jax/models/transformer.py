@@ -107,6 +107,11 @@ class Attention(nnx.Module):
     if self.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
+    if k_cache is None:  # Cache-free pass (training): a one-row empty cache.
+      empty = jnp.zeros((b, 1, self.num_kv_heads, self.head_dim), k.dtype)
+      out = tree_attention(q, empty, empty, jnp.zeros((b,), jnp.int32), k, v, tree_mask,
+                           impl=attn_impl)
+      return self.o_proj(out.reshape(b, t, -1)), None, None
     # Only the first attend_len (>= max length) cache rows are read: the rest is
     # padding, and reading it dominates the cost of short contexts.
     out = tree_attention(q, k_cache[:, :attend_len], v_cache[:, :attend_len], lengths,
@@ -190,7 +195,8 @@ class Transformer(nnx.Module):
     Args:
       tokens: [B, T] int32.
       positions: [B, T] int32 RoPE positions.
-      cache: the KV cache; new K/V are written at ``cache.lengths``.
+      cache: the KV cache; new K/V are written at ``cache.lengths``. None runs a
+        cache-free pass where tokens see only each other (training).
       tree_mask: [B, T, T] bool; row i says which new tokens token i sees.
       attend_len: static bound on ``max(cache.lengths)``; only that many cache rows
         are read (default: the whole cache).
@@ -204,14 +210,18 @@ class Transformer(nnx.Module):
     Returns:
       ModelOutput(logits [B, K, V] float32, cache, taps [B, T, len(taps)*H]).
     """
-    attend_len = cache.capacity if attend_len is None else min(attend_len, cache.capacity)
+    if cache is not None:
+      attend_len = cache.capacity if attend_len is None else min(attend_len, cache.capacity)
     cos, sin = layers.rope_cos_sin(positions, self.inv_freq)
     x = self.embed(tokens)
     hidden_states = [x]
     new_k, new_v = [], []
     for i, block in enumerate(self.layers):
-      x, k, v = block(x, cos, sin, cache.k[i], cache.v[i], cache.lengths, tree_mask,
-                      attend_len, attn_impl)
+      if cache is None:
+        x, k, v = block(x, cos, sin, None, None, None, tree_mask, None, attn_impl)
+      else:
+        x, k, v = block(x, cos, sin, cache.k[i], cache.v[i], cache.lengths, tree_mask,
+                        attend_len, attn_impl)
       new_k.append(k)
       new_v.append(v)
       hidden_states.append(x)
@@ -220,7 +230,8 @@ class Transformer(nnx.Module):
     if logit_rows is not None:
       x = layers.gather_rows(x, logit_rows)
     logits = self.logits(x) if x.shape[1] else None
-    cache = KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths)
+    if cache is not None:
+      cache = KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths)
     return ModelOutput(logits=logits, cache=cache, taps=tap_out)
 
 
