@@ -19,6 +19,7 @@ from flax import nnx
 from dart_jax.models import layers
 from dart_jax.models.config import ModelConfig, rope_inv_freq
 from kernels.tree_attention import tree_attention
+from kernels.tree_attention.ops import resolve_impl
 
 
 @flax.struct.dataclass
@@ -109,14 +110,21 @@ class Attention(nnx.Module):
     q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
     if k_cache is None:  # Cache-free pass (training): a one-row empty cache.
       empty = jnp.zeros((b, 1, self.num_kv_heads, self.head_dim), k.dtype)
+      impl, _, mode = attn_impl.partition(":")
       out = tree_attention(q, empty, empty, jnp.zeros((b,), jnp.int32), k, v, tree_mask,
-                           impl=attn_impl)
+                           impl=impl, interpret=mode == "interpret")
       return self.o_proj(out.reshape(b, t, -1)), None, None
-    # Only the first attend_len (>= max length) cache rows are read: the rest is
-    # padding, and reading it dominates the cost of short contexts.
-    out = tree_attention(q, k_cache[:, :attend_len], v_cache[:, :attend_len], lengths,
-                         k.astype(k_cache.dtype), v.astype(v_cache.dtype), tree_mask,
-                         impl=attn_impl)
+    impl, _, mode = attn_impl.partition(":")
+    if resolve_impl(impl) == "xla":
+      # XLA reads every cache row it is given: bound the work by attend_len
+      # (>= max length). The Pallas kernels skip padding themselves, and a slice
+      # would cost them a copy.
+      k_cache_read, v_cache_read = k_cache[:, :attend_len], v_cache[:, :attend_len]
+    else:
+      k_cache_read, v_cache_read = k_cache, v_cache
+    out = tree_attention(q, k_cache_read, v_cache_read, lengths, k.astype(k_cache.dtype),
+                         v.astype(v_cache.dtype), tree_mask, impl=impl,
+                         interpret=mode == "interpret")
     k_cache = layers.write_rows(k_cache, k, lengths)
     v_cache = layers.write_rows(v_cache, v, lengths)
     return self.o_proj(out.reshape(b, t, -1)), k_cache, v_cache
@@ -206,7 +214,9 @@ class Transformer(nnx.Module):
         DFlash the outputs of its target layers (index layer+1).
       logit_rows: [B, K] rows of T to compute logits for; None = all T rows.
         Pass an empty [B, 0] array to skip the LM head.
-      attn_impl: tree_attention implementation.
+      attn_impl: tree_attention implementation ("auto", "xla", "pallas_tpu",
+        "pallas_gpu"); a ":interpret" suffix runs a Pallas kernel in interpret
+        mode (CPU tests).
     Returns:
       ModelOutput(logits [B, K, V] float32, cache, taps [B, T, len(taps)*H]).
     """

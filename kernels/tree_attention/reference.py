@@ -5,12 +5,15 @@ the KV cache and to the tree tokens its ``tree_mask`` row allows. Prefill (causa
 mask), decode (T=1) and tree verification are all this one operation.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 _NEG_INF = -1e30
 
 
+@functools.partial(jax.jit, static_argnames=("scale",))
 def tree_attention_reference(
     q: jax.Array,
     k_cache: jax.Array,
@@ -59,6 +62,8 @@ def tree_attention_reference(
   )  # [B, T, S+T]
   probs = jax.nn.softmax(scores, axis=-1)
   probs = jnp.where(visible[:, None, None], probs, 0.0)
+  # Zero the values past the length too: 0 * garbage (NaN, inf) would leak.
+  v_cache = jnp.where(cache_valid[:, :, None, None], v_cache, 0)
   values = jnp.concatenate([v_cache, v_tree], axis=1).astype(jnp.float32)
   out = jnp.einsum("bkgts,bskd->btkgd", probs, values)
   return out.reshape(batch, num_tree, num_q_heads, head_dim).astype(q.dtype)

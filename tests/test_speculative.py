@@ -1,0 +1,224 @@
+"""DART speculative decoding is lossless, and its acceptance accounting is right."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import dart_jax as dj
+from dart_jax.models import ModelConfig, Target
+from dart_jax.ngram import NGram
+from dart_jax.sampling import SamplingConfig, processed_log_probs
+from dart_jax.speculative import dart_prefill, dart_round
+from dart_jax.tree import TreeConfig
+
+TARGETS = {
+    "llama": ModelConfig(arch="llama", vocab_size=97, hidden_size=32, intermediate_size=64,
+                         num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8,
+                         max_position_embeddings=256),
+    "qwen3": ModelConfig(arch="qwen3", vocab_size=97, hidden_size=32, intermediate_size=48,
+                         num_layers=5, num_heads=4, num_kv_heads=1, head_dim=16,
+                         qk_norm=True, tie_embeddings=True, max_position_embeddings=256),
+}
+TREE = TreeConfig(topk=6, beam_width=4, remain_total=14)
+
+
+def _prompts(rng, n, vocab):
+  return [rng.integers(0, vocab, rng.integers(1, 12)).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="module", params=sorted(TARGETS))
+def tiny(request):
+  target = Target.init(TARGETS[request.param], seed=2)
+  head = dj.DartHead.init(target, draft_length=3, draft_vocab_size=60, seed=4)
+  return target, head
+
+
+def test_greedy_equals_ar_batched_and_single(tiny):
+  target, head = tiny
+  rng = np.random.default_rng(0)
+  prompts = _prompts(rng, 20, 97)
+  corpus = [rng.integers(0, 97, 200).tolist() for _ in range(5)]
+  ar = [dj.generate(target, prompts[i:i + 4], max_new_tokens=24, eos_token_ids=()).tokens
+        for i in range(0, 20, 4)]
+  # Feed the target's own outputs to the N-gram so its term shapes the trees.
+  ngram = NGram.build(corpus + [p + t for p, t in zip(prompts, sum(ar, []))], order=3)
+  extra_accepted = 0.0
+  for i in range(0, 20, 4):
+    sp = dj.generate(target, prompts[i:i + 4], max_new_tokens=24, draft=head,
+                     ngram=ngram, tree=TREE, eos_token_ids=())
+    assert sp.tokens == ar[i // 4]
+    extra_accepted += sp.stats.mean_accept_len - 1.0
+  assert extra_accepted > 0  # some drafts were right, so acceptance paths ran
+  if target.config.arch == "llama":  # batch 1 compiles anew: check it once
+    single = dj.generate(target, prompts[7], max_new_tokens=24, draft=head, ngram=ngram,
+                         tree=TREE, eos_token_ids=())
+    assert single.tokens == ar[1][3]
+
+
+def test_eos_and_max_new_tokens_stop_at_the_same_place(tiny):
+  target, head = tiny
+  rng = np.random.default_rng(1)
+  prompts = _prompts(rng, 4, 97)
+  free = dj.generate(target, prompts, max_new_tokens=20, eos_token_ids=()).tokens
+  eos = free[0][5]  # a token the first sequence emits mid-way
+  ar = dj.generate(target, prompts, max_new_tokens=20, eos_token_ids=(eos,))
+  sp = dj.generate(target, prompts, max_new_tokens=20, eos_token_ids=(eos,), draft=head,
+                   tree=TREE)
+  assert sp.tokens == ar.tokens
+  assert ar.tokens[0][-1] == eos and len(ar.tokens[0]) <= 6
+  for n in (1, 2, 7):
+    assert dj.generate(target, prompts, max_new_tokens=n, draft=head, tree=TREE,
+                       eos_token_ids=()).tokens == [f[:n] for f in free]
+
+
+def _oracle_logits(continuations, root_pos, draft_length, d2t, vocab):
+  """Draft logits whose argmax at level l is the target's token at root_pos+1+l."""
+  batch = len(continuations)
+  logits = np.full((batch, draft_length + 1, len(d2t)), -10.0, np.float32)
+  t2d = {int(i + d): i for i, d in enumerate(d2t)}
+  for b, seq in enumerate(continuations):
+    for l in range(draft_length + 1):
+      pos = int(root_pos[b]) + 1 + l
+      if pos < len(seq) and int(seq[pos]) in t2d:
+        logits[b, l, t2d[int(seq[pos])]] = 10.0
+  return jnp.asarray(logits)
+
+
+def test_oracle_head_reaches_maximum_acceptance(tiny):
+  """With drafts forced to the target's future, every round accepts D+1 + bonus."""
+  target, _ = tiny
+  head = dj.DartHead.init(target, draft_length=3, seed=4)  # full draft vocabulary
+  d = head.config.draft_length
+  prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+  ar = dj.generate(target, prompts, max_new_tokens=40, eos_token_ids=()).tokens
+  full = [p + a for p, a in zip(prompts, ar)]
+  batch, width = 2, 32
+  tokens = np.zeros((batch, width), np.int32)
+  for b, p in enumerate(prompts):
+    tokens[b, :len(p)] = p
+  lens = jnp.asarray([len(p) for p in prompts])
+  sampling = SamplingConfig()
+  capacity = 128
+  cache = target.new_cache(batch, capacity)
+  from dart_jax.models.transformer import KVCache
+  dcache = KVCache.create(1, batch, capacity + 2 * d + 2, head.config.num_kv_heads,
+                          head.config.head_dim)
+  _, state = dart_prefill(target.graphdef, target.params, head.graphdef, head.params,
+                          cache, dcache, jnp.asarray(tokens), lens, jax.random.PRNGKey(0),
+                          sampling=sampling, attn_impl="auto")
+  d2t = np.asarray(head.params["d2t"][...])
+  for _ in range(5):
+    root_pos = np.asarray(state.cache.lengths)
+    state = state.replace(draft_logits=_oracle_logits(full, root_pos, d, d2t, 97))
+    state, new_tokens, num_new = dart_round(
+        target.graphdef, target.params, head.graphdef, head.params, None, state,
+        jnp.ones(batch, bool), jax.random.PRNGKey(1), tree_config=TREE,
+        sampling=sampling, attend_len=capacity, attn_impl="auto", context_size=1)
+    np.testing.assert_array_equal(num_new, [d + 2] * batch)
+    for b in range(batch):
+      start = int(root_pos[b]) + 1
+      assert np.asarray(new_tokens[b]).tolist() == full[b][start:start + d + 2]
+
+
+def _exact_first_tokens(target, prompt, sampling, n=3):
+  """The target's exact distribution of its first n sampled tokens [V**n]."""
+  vocab = target.config.vocab_size
+  seqs = np.array(list(itertools.product(range(vocab), repeat=n)), np.int32)
+  full = np.concatenate([np.tile(prompt, (len(seqs), 1)), seqs], 1)
+  length = full.shape[1]
+  col = jnp.arange(length)
+  mask = jnp.broadcast_to(col[None, :] <= col[:, None], (len(seqs), length, length))
+  out = target.module()(jnp.asarray(full), jnp.broadcast_to(col, full.shape), None, mask)
+  logp = np.asarray(processed_log_probs(out.logits, sampling))
+  p0 = len(prompt) - 1
+  total = np.zeros(len(seqs))
+  for j in range(n):
+    total += logp[np.arange(len(seqs)), p0 + j, seqs[:, j]]
+  return np.exp(total)
+
+
+def _chi_square_p(counts, probs):
+  """Chi-square goodness-of-fit p-value; outcomes expected < 5 times are lumped."""
+  from scipy import stats
+
+  total = counts.sum()
+  impossible = probs == 0
+  assert counts[impossible].sum() == 0, "sampled an outcome the target excludes"
+  keep = probs * total >= 5
+  rare = ~keep & ~impossible
+  observed, expected = counts[keep], probs[keep] * total
+  if rare.any():
+    observed = np.append(observed, counts[rare].sum())
+    expected = np.append(expected, probs[rare].sum() * total)
+  return stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_sampling_matches_target_distribution(temperature, top_p):
+  """First 3 sampled tokens: DART and AR both match the target's exact distribution.
+
+  20000 samples per method; the same statistics reject a 2% bias (checked below on
+  a deliberately biased distribution), so a biased acceptance rule would fail.
+  """
+  vocab = 6
+  config = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=16, intermediate_size=32,
+                       num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8)
+  target = Target.init(config, seed=7)
+  # Sharpen the random target so that the drafts matter and top-p cuts something.
+  target = target.with_params(jax.tree.map(lambda x: x * 3.0 if x.ndim == 2 else x,
+                                           target.params))
+  head = dj.DartHead.init(target, draft_length=2, seed=1)
+  prompt = [1, 4, 2]
+  exact = _exact_first_tokens(target, prompt, SamplingConfig(temperature, top_p))
+  tree = TreeConfig(topk=3, beam_width=3, remain_total=8)
+  n_batch, n_calls = 5000, 4
+  counts = {"dart": np.zeros(vocab ** 3), "ar": np.zeros(vocab ** 3)}
+  for seed in range(n_calls):
+    for name, kw in (("dart", dict(draft=head, tree=tree)), ("ar", {})):
+      out = dj.generate(target, [prompt] * n_batch, max_new_tokens=3,
+                        temperature=temperature, top_p=top_p, seed=seed,
+                        eos_token_ids=(), **kw)
+      codes = np.array([(t[0] * vocab + t[1]) * vocab + t[2] for t in out.tokens])
+      counts[name] += np.bincount(codes, minlength=vocab ** 3)
+  total = n_batch * n_calls
+  exact_marginals = exact.reshape(vocab, vocab, vocab)
+  for name, c in counts.items():
+    p_value = _chi_square_p(c, exact)
+    joint = c.reshape(vocab, vocab, vocab) / total
+    tvs = [0.5 * np.abs(joint.sum(axis=tuple(a for a in range(3) if a != k)) -
+                        exact_marginals.sum(axis=tuple(a for a in range(3) if a != k))).sum()
+           for k in range(3)]
+    print(f"{name}: chi-square p={p_value:.3f}, marginal total variations {np.round(tvs, 4)}")
+    assert p_value > 1e-3, (name, p_value)
+    assert max(tvs) < 0.02, (name, tvs)
+  # Power: 2% of the mass moved between two likely outcomes is detected.
+  top2 = np.argsort(-exact)[:2]
+  biased = exact.copy()
+  biased[top2] += [-0.02, 0.02]
+  rng = np.random.default_rng(0)
+  rejected = [_chi_square_p(rng.multinomial(total, biased).astype(float), exact) < 1e-3
+              for _ in range(20)]
+  assert np.mean(rejected) >= 0.9
+
+
+def test_bad_arguments(tiny):
+  target, head = tiny
+  with pytest.raises(dj.InputError, match="temperature"):
+    dj.generate(target, [1, 2], temperature=-1.0, draft=head)
+  with pytest.raises(dj.InputError, match="top_p"):
+    dj.generate(target, [1, 2], temperature=1.0, top_p=0.0, draft=head)
+  with pytest.raises(dj.InputError, match="top_p"):
+    dj.generate(target, [1, 2], temperature=1.0, top_p=1.5)
+  with pytest.raises(dj.InputError, match="fit"):
+    dj.generate(target, [1] * 250, draft=head, tree=TREE, max_new_tokens=4)
+  other = Target.init(ModelConfig(arch="llama", vocab_size=50, hidden_size=32,
+                                  intermediate_size=64, num_layers=4, num_heads=4,
+                                  num_kv_heads=2, head_dim=8), seed=0)
+  with pytest.raises(dj.ConfigError, match="vocab"):
+    dj.generate(other, [1, 2], draft=head)
+  with pytest.raises(dj.InputError, match="draft"):
+    dj.generate(target, [1, 2], ngram=NGram.build([[1, 2, 3]]))

@@ -1,0 +1,190 @@
+"""Tree attention: jnp reference vs a naive loop, dispatch, and kernel layout helpers."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels.tree_attention import common
+from kernels.tree_attention import ops
+from kernels.tree_attention import pallas_gpu
+from kernels.tree_attention import pallas_tpu
+from kernels.tree_attention import tree_attention
+from kernels.tree_attention import tree_attention_reference
+
+
+def ancestor_mask(parents: np.ndarray) -> np.ndarray:
+  """parents [T] (parents[i] < i, -1 for a root) -> [T, T] bool: i sees itself and its ancestors."""
+  num = len(parents)
+  mask = np.zeros((num, num), bool)
+  for i in range(num):
+    j = i
+    while j >= 0:
+      mask[i, j] = True
+      j = parents[j]
+  return mask
+
+
+def random_inputs(batch, num_tree, num_q_heads, num_kv_heads, head_dim, cache_size,
+                  lengths, dtype=jnp.float32, *, seed=0, mask="tree"):
+  """Random q / caches / tree K, V and per-row masks: random trees or causal."""
+  rng = np.random.default_rng(seed)
+
+  def normal(*shape):
+    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32), dtype)
+
+  q = normal(batch, num_tree, num_q_heads, head_dim)
+  k_cache = normal(batch, cache_size, num_kv_heads, head_dim)
+  v_cache = normal(batch, cache_size, num_kv_heads, head_dim)
+  k_tree = normal(batch, num_tree, num_kv_heads, head_dim)
+  v_tree = normal(batch, num_tree, num_kv_heads, head_dim)
+  if mask == "causal":
+    masks = np.broadcast_to(np.tril(np.ones((num_tree, num_tree), bool)),
+                            (batch, num_tree, num_tree))
+  else:  # A random parent array per row: parent of node i is uniform in [-1, i).
+    masks = np.stack([
+        ancestor_mask(np.array([rng.integers(-1, i) if i else -1
+                                for i in range(num_tree)]))
+        for _ in range(batch)
+    ])
+  return (q, k_cache, v_cache, jnp.asarray(lengths, jnp.int32), k_tree, v_tree,
+          jnp.asarray(masks))
+
+
+def naive_tree_attention(q, k_cache, v_cache, lengths, k_tree, v_tree, tree_mask,
+                         scale=None):
+  """One query at a time in float64 numpy: the definition of the operation."""
+  q, k_cache, v_cache, k_tree, v_tree = (
+      np.asarray(x, np.float64) for x in (q, k_cache, v_cache, k_tree, v_tree))
+  lengths, tree_mask = np.asarray(lengths), np.asarray(tree_mask)
+  batch, num_tree, num_q_heads, head_dim = q.shape
+  group = num_q_heads // k_cache.shape[2]
+  scale = head_dim**-0.5 if scale is None else scale
+  out = np.zeros_like(q)
+  for b in range(batch):
+    for t in range(num_tree):
+      seen = np.flatnonzero(tree_mask[b, t])
+      for h in range(num_q_heads):
+        kv = h // group
+        keys = np.concatenate([k_cache[b, :lengths[b], kv], k_tree[b, seen, kv]])
+        values = np.concatenate([v_cache[b, :lengths[b], kv], v_tree[b, seen, kv]])
+        if not len(keys):
+          continue  # Sees nothing: zeros.
+        scores = keys @ q[b, t, h] * scale
+        probs = np.exp(scores - scores.max())
+        out[b, t, h] = probs @ values / probs.sum()
+  return out
+
+
+@pytest.mark.parametrize(
+    "batch,num_tree,num_q_heads,num_kv_heads,cache_size,lengths,mask,scale",
+    [
+        (2, 7, 4, 4, 20, [0, 13], "tree", None),  # MHA, length 0.
+        (3, 5, 6, 2, 16, [16, 1, 9], "tree", 0.3),  # GQA 3, full cache, scale.
+        (1, 9, 8, 1, 11, [4], "causal", None),  # GQA 8, causal (prefill).
+        (2, 1, 2, 1, 8, [3, 8], "tree", None),  # Decode.
+    ])
+def test_reference_matches_naive_loop(batch, num_tree, num_q_heads, num_kv_heads,
+                                      cache_size, lengths, mask, scale):
+  args = random_inputs(batch, num_tree, num_q_heads, num_kv_heads, 16, cache_size,
+                       lengths, seed=batch + num_tree, mask=mask)
+  out = tree_attention_reference(*args, scale=scale)
+  expected = naive_tree_attention(*args, scale=scale)
+  np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_row_that_sees_nothing_is_zero_and_others_unchanged():
+  q, k_cache, v_cache, _, k_tree, v_tree, mask = random_inputs(2, 4, 2, 1, 8, 6, [0, 0])
+  lengths = jnp.array([0, 3], jnp.int32)
+  mask = mask.at[:, 2, :].set(False)
+  out = np.asarray(tree_attention_reference(q, k_cache, v_cache, lengths, k_tree, v_tree,
+                                            mask))
+  np.testing.assert_array_equal(out[0, 2], 0.0)
+  assert np.all(np.abs(out[1, 2]) > 0)  # Row 1 still sees its 3 cached tokens.
+  expected = naive_tree_attention(q, k_cache, v_cache, lengths, k_tree, v_tree, mask)
+  np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_ignores_cache_past_length():
+  args = list(random_inputs(1, 3, 2, 2, 8, 10, [4]))
+  out = tree_attention_reference(*args)
+  for i in (1, 2):  # Garbage (even NaN) past the length must not leak in.
+    args[i] = args[i].at[:, 4:].set(jnp.nan)
+  np.testing.assert_array_equal(np.asarray(tree_attention_reference(*args)), out)
+
+
+def test_reference_softmax_in_float32_for_bf16():
+  args = random_inputs(1, 6, 4, 2, 32, 40, [33], jnp.bfloat16, seed=3)
+  out = tree_attention_reference(*args)
+  assert out.dtype == jnp.bfloat16
+  expected = naive_tree_attention(*args)
+  # Only the final rounding to bf16 (8 significant bits) separates the two.
+  np.testing.assert_allclose(np.asarray(out, np.float32), expected, atol=2e-3,
+                             rtol=2.0**-8)
+
+
+@pytest.mark.parametrize("backend,impl", [("tpu", "pallas_tpu"), ("gpu", "pallas_gpu"),
+                                          ("cuda", "pallas_gpu"), ("cpu", "xla")])
+def test_auto_picks_kernel_per_backend(backend, impl):
+  assert ops.resolve_impl("auto", backend) == impl
+  assert ops.resolve_impl("xla", backend) == "xla"
+
+
+def test_entry_point_auto_on_cpu_is_the_reference_under_jit():
+  args = random_inputs(2, 5, 4, 2, 16, 12, [7, 0])
+
+  @jax.jit
+  def run(lengths):  # lengths traced.
+    return tree_attention(args[0], args[1], args[2], lengths, *args[4:])
+
+  for lengths in ([7, 0], [12, 5]):
+    lengths = jnp.asarray(lengths, jnp.int32)
+    expected = tree_attention_reference(*args[:3], lengths, *args[4:])
+    np.testing.assert_allclose(np.asarray(run(lengths)), np.asarray(expected), atol=1e-6)
+
+
+def test_bad_impl_and_shapes_raise():
+  args = random_inputs(1, 3, 4, 2, 8, 6, [2])
+  with pytest.raises(ValueError, match="unknown tree_attention impl"):
+    tree_attention(*args, impl="cuda")
+  with pytest.raises(ValueError, match="multiple of KV heads"):
+    common.check_shapes(args[0][:, :, :3], *args[1:])
+  with pytest.raises(ValueError, match="tree_mask must be"):
+    tree_attention(*args[:6], args[6][:, :2])
+  with pytest.raises(ValueError, match="lengths must be"):
+    tree_attention(*args[:3], args[3][None], *args[4:])
+
+
+@pytest.mark.parametrize("num_kv_heads,head_dim,expected", [
+    (8, 128, 1), (8, 64, 2), (4, 32, 4), (2, 32, 2), (3, 64, 3), (1, 80, 1)])
+def test_tpu_heads_per_step_gives_lane_aligned_or_full_width(num_kv_heads, head_dim,
+                                                             expected):
+  assert pallas_tpu.heads_per_step(num_kv_heads, head_dim) == expected
+
+
+@pytest.mark.parametrize("cache_size,block_kv", [(300, 128), (1030, 512), (512, 512),
+                                                 (7, 512), (300, 512)])
+def test_tpu_cache_blocks_tile_the_cache_with_aligned_windows(cache_size, block_kv):
+  rows, num_blocks, tail_rows = pallas_tpu.cache_blocks(cache_size, block_kv)
+  assert rows % 32 == 0 and rows <= max(block_kv, cache_size + 31)
+  windows = [(i * rows, rows if i < num_blocks - 1 else tail_rows)
+             for i in range(num_blocks)]
+  covered = [r for start, n in windows for r in range(start, start + n)]
+  assert covered == list(range(cache_size))  # Each row once, none past S.
+  assert all(0 < n <= rows for _, n in windows)
+  # A row of length L reads blocks 0 .. ceil(L / rows) - 1: never a block that
+  # starts at or past L.
+  for length in (0, 1, rows - 1, rows, rows + 1, cache_size):
+    if length <= cache_size:
+      read = windows[:math.ceil(length / rows)]
+      assert all(start < length for start, _ in read)
+      assert sum(n for _, n in read) >= length
+
+
+def test_gpu_num_splits_fill_the_device_but_keep_blocks_per_split():
+  # Decode, B=1, 8 KV heads, one row block: few programs, long cache -> split.
+  assert pallas_gpu.choose_num_splits(8, 8192, 64, 132) == 32
+  assert pallas_gpu.choose_num_splits(8, 1024, 64, 132) == 4  # >= 4 blocks each.
+  assert pallas_gpu.choose_num_splits(512, 8192, 64, 132) == 1  # Already full.
