@@ -7,6 +7,7 @@ of the accepted path. The host only sees the emitted tokens.
 """
 
 import functools
+import time
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -96,39 +97,86 @@ def dart_prefill(target_graphdef, target_params, head_graphdef, head_params, cac
   return first, DartState(cache, draft_cache, history, draft_logits)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("target_graphdef", "head_graphdef", "tree_config", "sampling",
-                     "attend_len", "attn_impl", "context_size"),
-    donate_argnames=("state",))
-def dart_round(target_graphdef, target_params, head_graphdef, head_params, ngram, state,
-               active, key, *, tree_config, sampling, attend_len, attn_impl, context_size):
-  """One DART round -> (state, new tokens [B, D+2], number of new tokens [B])."""
+def _verify(target_graphdef, target_params, cache, tree, *, attend_len, taps, attn_impl):
+  """Target pass over ``[root] + tree`` at positions ``length + depth``."""
+  target_model = nnx.merge(target_graphdef, target_params)
+  return target_model(tree.tokens, cache.lengths[:, None] + tree.depth, cache, tree.mask,
+                      attend_len=attend_len, taps=taps, attn_impl=attn_impl)
+
+
+def _accept(tree, out, history, active, key, *, sampling, max_depth):
+  """Acceptance, KV compaction and history update -> (acceptance, cache, history,
+  advance [B], taps of the accepted path [B, A, n*H])."""
+  acc = accept_tree(tree.tokens, tree.parents, tree.depth, tree.num_nodes, out.logits,
+                    key, sampling, max_depth=max_depth)
+  advance = acc.num_new * active.astype(jnp.int32)
+  history = layers.write_rows(history, acc.new_tokens, out.cache.lengths + 1)
+  cache = out.cache.compact(acc.path, advance)
+  return acc, cache, history, advance, layers.gather_rows(out.taps, acc.path)
+
+
+def _draft_next(target_graphdef, head_graphdef, target_params, head_params, acc, path_taps,
+                draft_cache, advance, *, attend_len, attn_impl):
+  """The head drafts the next round from the accepted path's taps."""
   target_model = nnx.merge(target_graphdef, target_params)
   head = nnx.merge(head_graphdef, head_params)
-  c = head.config
-  lengths = state.cache.lengths
-  tree = search_trees(state.draft_logits, state.history, lengths, ngram, head.d2t[...],
-                      tree_config, context_size)
-  out = target_model(tree.tokens, lengths[:, None] + tree.depth, state.cache, tree.mask,
-                     attend_len=attend_len, taps=c.tap_layers)
-  acc = accept_tree(tree.tokens, tree.parents, tree.depth, tree.num_nodes, out.logits,
-                    key, sampling, max_depth=c.draft_length + 1)
-  advance = acc.num_new * active.astype(jnp.int32)
-  cache = out.cache.compact(acc.path, advance)
-  history = layers.write_rows(state.history, acc.new_tokens, lengths + 1)
-  path_taps = layers.gather_rows(out.taps, acc.path)
-  draft_logits, draft_cache = _draft(target_model, head, path_taps, acc.new_tokens,
-                                     acc.num_new, state.draft_cache, advance, attend_len,
-                                     attn_impl)
+  return _draft(target_model, head, path_taps, acc.new_tokens, acc.num_new, draft_cache,
+                advance, attend_len, attn_impl)
+
+
+def _search(head_params, ngram, state, *, tree_config, context_size):
+  return search_trees(state.draft_logits, state.history, state.cache.lengths, ngram,
+                      head_params["d2t"][...], tree_config, context_size)
+
+
+def _no_wrap(name, fn):
+  del name
+  return fn
+
+
+def _round(target_graphdef, target_params, head_graphdef, head_params, ngram, state,
+           active, key, *, tree_config, sampling, attend_len, attn_impl, context_size,
+           wrap=_no_wrap):
+  """One DART round, phase by phase; ``wrap(name, fn)`` may wrap each phase (the
+  profile mode jits and times them one by one)."""
+  head_config = nnx.merge(head_graphdef, head_params).config
+  search = functools.partial(_search, tree_config=tree_config, context_size=context_size)
+  verify = functools.partial(_verify, target_graphdef, attend_len=attend_len,
+                             taps=head_config.tap_layers, attn_impl=attn_impl)
+  accept = functools.partial(_accept, sampling=sampling,
+                             max_depth=head_config.draft_length + 1)
+  draft = functools.partial(_draft_next, target_graphdef, head_graphdef,
+                            attend_len=attend_len, attn_impl=attn_impl)
+  tree = wrap("search", search)(head_params, ngram, state)
+  out = wrap("verify", verify)(target_params, state.cache, tree)
+  acc, cache, history, advance, path_taps = wrap("accept", accept)(
+      tree, out, state.history, active, key)
+  draft_logits, draft_cache = wrap("draft", draft)(
+      target_params, head_params, acc, path_taps, state.draft_cache, advance)
   return DartState(cache, draft_cache, history, draft_logits), acc.new_tokens, acc.num_new
 
 
+dart_round = jax.jit(
+    _round,
+    static_argnames=("target_graphdef", "head_graphdef", "tree_config", "sampling",
+                     "attend_len", "attn_impl", "context_size", "wrap"),
+    donate_argnames=("state",))
+
+
+_PHASE_FNS = {}  # profile mode: compiled phases by (name, static configuration)
+
+
 class DartDecoder:
-  """``generate``'s decoder for ``draft=DartHead``."""
+  """``generate``'s decoder for ``draft=DartHead``.
+
+  profile=True runs each round's phases (search, verify, accept, draft) as
+  separately compiled calls and accumulates their seconds in ``phase_s``; the
+  fused round is what normal decoding runs (slightly faster than the sum).
+  """
 
   def __init__(self, target: Target, head: DartHead, *, sampling: SamplingConfig,
-               seed: int = 0, ngram=None, tree: TreeConfig | None = None):
+               seed: int = 0, ngram=None, tree: TreeConfig | None = None,
+               profile: bool = False):
     head.check_target(target)
     self.target, self.head = target, head
     self.sampling = sampling
@@ -138,6 +186,8 @@ class DartDecoder:
     self.context_size = max(order - 1, 1)
     self.scratch_rows = self.tree_config.remain_total + 1
     self.key = jax.random.PRNGKey(seed)
+    self.profile = profile
+    self.phase_s = {}
 
   def _next_key(self):
     self.key, sub = jax.random.split(self.key)
@@ -154,16 +204,34 @@ class DartDecoder:
     # The head writes up to D+2 real rows and D mask rows past the committed length.
     draft_cache = KVCache.create(1, batch, capacity + 2 * d + 2, h.config.num_kv_heads,
                                  h.config.head_dim, t.dtype)
-    return dart_prefill(
+    first, state = dart_prefill(
         t.graphdef, t.params, h.graphdef, h.params, cache, draft_cache, tokens,
-        prompt_lens, self._next_key(), sampling=self.sampling, attn_impl=t.attn_impl)[::-1]
+        prompt_lens, self._next_key(), sampling=self.sampling, attn_impl=t.attn_impl)
+    return state, first
 
   def step(self, state, active, attend_len):
     t, h = self.target, self.head
-    return dart_round(
-        t.graphdef, t.params, h.graphdef, h.params, self.table, state, active,
-        self._next_key(), tree_config=self.tree_config, sampling=self.sampling,
-        attend_len=attend_len, attn_impl=t.attn_impl, context_size=self.context_size)
+    static = dict(tree_config=self.tree_config, sampling=self.sampling,
+                  attend_len=attend_len, attn_impl=t.attn_impl,
+                  context_size=self.context_size)
+    args = (t.graphdef, t.params, h.graphdef, h.params, self.table, state, active,
+            self._next_key())
+    if not self.profile:
+      return dart_round(*args, **static)
+    key = (t.graphdef, h.graphdef, *sorted(static.items()))
+    return _round(*args, **static, wrap=functools.partial(self._timed, key))
+
+  def _timed(self, static_key, name, fn):
+    """Compiles a phase once per static configuration and times each call."""
+    jitted = _PHASE_FNS.setdefault((name, static_key), jax.jit(fn))
+
+    def run(*args):
+      start = time.perf_counter()
+      out = jax.block_until_ready(jitted(*args))
+      self.phase_s[name] = self.phase_s.get(name, 0.0) + time.perf_counter() - start
+      return out
+
+    return run
 
 
 def _as_table(ngram):
