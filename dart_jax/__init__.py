@@ -7,10 +7,7 @@
     out = dj.generate(target, "Hello", draft=head, ngram=dj.ngram.NGram.load_trie(p))
 """
 
-try:
-  from dart_jax import ngram, tree
-except ImportError:  # TEMP while being written
-  pass
+from dart_jax import ngram, tree
 from dart_jax.draft.dart_head import DartConfig, DartHead, load_dart, save_dart
 from dart_jax.errors import CheckpointError, ConfigError, DartJaxError, InputError
 from dart_jax.generate import GenerateOutput, GenerateStats, generate, generate_stream

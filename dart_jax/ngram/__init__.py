@@ -1,0 +1,11 @@
+"""N-gram model of DART: counting, the reference `.trie` format, device table.
+
+  ngram = NGram.build(sequences, order=3)        # or NGram.load_trie(path)
+  table = ngram.to_table()                       # pytree for jitted search
+  probs, matched = ngram.probability(ctx, toks)  # numpy reference query
+"""
+
+from dart_jax.ngram.model import NGram
+from dart_jax.ngram.table import NGramTable
+
+__all__ = ["NGram", "NGramTable"]

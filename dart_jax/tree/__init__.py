@@ -1,0 +1,11 @@
+"""Draft trees: the `Tree` structure and the DART beam search.
+
+  tree = dart_search(logits, context, ngram.to_table(), TreeConfig(), d2t)
+"""
+
+from dart_jax.tree.config import TreeConfig
+from dart_jax.tree.dart_search import dart_search, level_candidates, search_candidates
+from dart_jax.tree.structure import Tree, build_tree, tree_valid
+
+__all__ = ["TreeConfig", "Tree", "build_tree", "dart_search",
+           "level_candidates", "search_candidates", "tree_valid"]

@@ -1,0 +1,287 @@
+"""DART tree search (spec section 4) as one static-shape jittable function.
+
+Formulation. Level l expands the B_l beam members (B_0 = 1, B_{l+1} =
+min(beam_width, B_l * k)) into B_l * k children, all recorded in fixed arrays
+with a parent pointer; the next beam is the best `beam_width` of them. After
+the last level the best `remain_total` of all R = k * sum_l B_l recorded
+children form the tree, reindexed to BFS order. All shapes are static. Each
+beam member carries the `NGramTable` nodes of its context suffixes, so the
+N-gram term of a level is one batch of hashed lookups (which also yields the
+next members' nodes). Levels whose beam has reached its final size run as one
+`lax.scan` body, so compile time does not grow with the depth.
+
+Scores follow the reference release exactly (float32 throughout):
+  level 0:  s(c+t) = s(c) + lw(0) * (log(p_0(t) + eps) * gw(0))
+  level l:  s(c+t) = s(c) + lw(l) * (log(p_l(t) + eps) * gw(l)
+                                     + log(P_ng(t | ctx) + eps) * ngram_weight)
+with p_l the softmax over the top-k draft logit VALUES of level l and ctx the
+last order-1 tokens of context ++ path(c).
+
+Deterministic tie-breaking (the numpy reference uses the same rule):
+  - candidates of a level: by logit descending, then lower draft id;
+  - beam cut: children not ending in EOS first, then score descending, then
+    lower flat index b * k + j (b = beam rank of the parent, j = candidate
+    rank);
+  - final cut: score descending, then lower record index (records are stored
+    level by level, flat index within a level). A parent is recorded before
+    its children and never scores below them (every increment is <= 0), so it
+    always ranks first: the kept set is prefix-closed even under ties.
+  - BFS order: by depth, then by final rank.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from dart_jax.errors import ConfigError, InputError
+from dart_jax.ngram.table import NGramTable
+from dart_jax.tree.config import TreeConfig
+from dart_jax.tree.structure import Tree, build_tree
+
+
+_TOPK_CHUNK = 128
+
+
+def exact_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """`lax.top_k` over the last axis of [R, V], faster on CPU for large V.
+
+  Rows are cut into chunks of 128; the top-k elements lie in the k chunks
+  with the largest maxima (ties: lower chunk first), which are gathered in
+  ascending chunk order and searched again. The result equals `lax.top_k`
+  exactly, ties (lower index first) included. The optimization barrier keeps
+  XLA from rewriting the top-k into a full sort when it is fused with the
+  rest of the search.
+  """
+  rows, vocab = x.shape
+  chunks = -(-vocab // _TOPK_CHUNK)
+  if chunks <= 2 * k:
+    values, index = lax.optimization_barrier(lax.top_k(x, k))
+    return values, index.astype(jnp.int32)
+  padded = jnp.pad(x, ((0, 0), (0, chunks * _TOPK_CHUNK - vocab)),
+                   constant_values=-jnp.inf)
+  blocks = padded.reshape(rows, chunks, _TOPK_CHUNK)
+  _, best_chunks = lax.top_k(jnp.max(blocks, axis=-1), k)
+  best_chunks = jnp.sort(best_chunks, axis=-1)
+  candidates = jnp.take_along_axis(blocks, best_chunks[:, :, None], axis=1)
+  values, pos = lax.top_k(candidates.reshape(rows, k * _TOPK_CHUNK), k)
+  values, pos = lax.optimization_barrier((values, pos))
+  chunk = jnp.take_along_axis(best_chunks, pos // _TOPK_CHUNK, axis=1)
+  return values, (chunk * _TOPK_CHUNK + pos % _TOPK_CHUNK).astype(jnp.int32)
+
+
+def level_candidates(logits: jax.Array, config: TreeConfig,
+                     d2t: jax.Array | None = None):
+  """Top-k candidates of every level and their log-probability terms.
+
+  Args:
+    logits: [D+1, Vd] draft logits (cast to float32).
+    config: the search config (topk, eps).
+    d2t: int32 [Vd] draft -> target offsets, or None for identity.
+
+  Returns:
+    (tokens int32 [D+1, k] target ids, log_probs float32 [D+1, k] =
+    log(softmax(top-k values) + eps)).
+  """
+  values, index = exact_top_k(jnp.asarray(logits, jnp.float32), config.topk)
+  tokens = index if d2t is None else index + jnp.asarray(d2t, jnp.int32)[index]
+  probs = jax.nn.softmax(values, axis=-1)
+  return tokens, jnp.log(probs + np.float32(config.eps))
+
+
+def _beam_cut(scores: jax.Array, tokens: jax.Array, width: int,
+              eos_id: int | None) -> jax.Array:
+  """Flat indices of the next beam, best first ([width])."""
+  if eos_id is None:
+    return lax.top_k(scores, width)[1]
+  # Non-EOS children by score, then EOS children by score. top_k breaks ties
+  # by lower index; scores are finite, so -inf only marks the other class.
+  is_eos = tokens == eos_id
+  _, best_other = lax.top_k(jnp.where(is_eos, -jnp.inf, scores), width)
+  _, best_eos = lax.top_k(jnp.where(is_eos, scores, -jnp.inf), width)
+  num_other = jnp.sum(~is_eos)
+  slot = jnp.arange(width)
+  return jnp.where(slot < num_other, best_other,
+                   best_eos[jnp.clip(slot - num_other, 0, width - 1)])
+
+
+def search_candidates(tokens: jax.Array, log_probs: jax.Array,
+                      context: jax.Array, ngram: NGramTable | None,
+                      config: TreeConfig,
+                      context_len: jax.Array | None = None) -> Tree:
+  """The beam search of `dart_search`, from `level_candidates` outputs.
+
+  Args:
+    tokens: int32 [D+1, k] candidate target ids per level.
+    log_probs: float32 [D+1, k] log(p + eps) of each candidate.
+    context: int32 [C] last committed tokens, ending with the root.
+    ngram: device table or None (no N-gram term).
+    config: search config (static).
+    context_len: int32 [] real trailing entries of `context` (None = all).
+  """
+  num_levels, k = tokens.shape
+  c = context.shape[0]
+  context = context.astype(jnp.int32)
+  real_len = (jnp.int32(c) if context_len is None
+              else jnp.clip(jnp.asarray(context_len, jnp.int32), 1, c))
+  eps = np.float32(config.eps)
+  ngram_weight = np.float32(config.ngram_weight)
+  # The reference skips the lookups unless ngram_weight > 0 and then uses
+  # probability 0: a constant log(eps) * weight (-0.0, a no-op, for weight 0).
+  use_table = ngram is not None and config.ngram_weight > 0
+  constant_ngram_term = ngram is not None and config.ngram_weight < 0
+  width = ngram.order - 1 if use_table else 0
+
+  # Each beam member carries the N-gram nodes of the suffixes of
+  # context ++ path (lengths 1..order-1), so a level costs one hashed lookup
+  # per (member, candidate, suffix length), which also yields the next state.
+  if use_table:
+    if width > c:
+      window = jnp.concatenate([jnp.zeros((width - c,), jnp.int32), context])
+    else:
+      window = context[c - width:]
+    beam_nodes = ngram.suffix_nodes(window[None],
+                                    jnp.minimum(real_len, width)[None])
+  else:
+    beam_nodes = jnp.zeros((1, 0), jnp.int32)
+  state = (jnp.zeros((1,), jnp.float32), jnp.full((1,), -1, jnp.int32),
+           beam_nodes)
+
+  def expand(state, level_tokens, level_log_probs, level_weight, logit_weight,
+             offset, with_ngram: bool, cut: bool):
+    """Scores the children of one level and cuts the next beam."""
+    beam_score, beam_record, beam_nodes = state
+    size = beam_score.shape[0]
+    inner = (level_log_probs * logit_weight)[None, :]  # [1, k]
+    next_nodes = None
+    if use_table and (with_ngram or cut):
+      p_ngram, _, next_nodes = ngram.step(beam_nodes, level_tokens)
+      if with_ngram:
+        inner = inner + jnp.log(p_ngram + eps) * ngram_weight
+    elif constant_ngram_term and with_ngram:
+      inner = inner + jnp.log(eps) * ngram_weight
+    child_scores = (beam_score[:, None] + level_weight * inner).reshape(-1)
+    child_tokens = jnp.tile(level_tokens, size)
+    records = (child_tokens, jnp.repeat(beam_record, k), child_scores)
+    if not cut:
+      return state, records
+    keep = _beam_cut(child_scores, child_tokens,
+                     min(config.beam_width, size * k), config.eos_id)
+    beam_nodes = (next_nodes.reshape(size * k, width)[keep] if use_table
+                  else jnp.zeros((keep.shape[0], 0), jnp.int32))
+    return (child_scores[keep], (offset + keep).astype(jnp.int32),
+            beam_nodes), records
+
+  # Levels with the final beam size run as one lax.scan (one compiled body,
+  # whatever the depth); the first, smaller levels are unrolled.
+  sizes = config.beam_sizes(num_levels)
+  first_scanned = next((l for l in range(1, num_levels)
+                        if sizes[l] == sizes[-1]), num_levels)
+  if num_levels - first_scanned < 2:
+    first_scanned = num_levels
+  level_weights = np.array([config.level_weight(l) for l in range(num_levels)],
+                           np.float32)
+  logit_weights = np.array([config.logit_weight(l) for l in range(num_levels)],
+                           np.float32)
+  offsets = np.concatenate([[0], np.cumsum(np.array(sizes) * k)]).astype(
+      np.int32)
+  record_parts = []
+  for level in range(first_scanned):
+    state, records = expand(
+        state, tokens[level], log_probs[level], level_weights[level],
+        logit_weights[level], int(offsets[level]), with_ngram=level > 0,
+        cut=level + 1 < num_levels)
+    record_parts.append(records)
+  if first_scanned < num_levels:
+    def body(state, xs):
+      return expand(state, *xs, with_ngram=True, cut=True)
+    scanned = slice(first_scanned, num_levels)
+    _, records = lax.scan(body, state, (
+        tokens[scanned], log_probs[scanned],
+        jnp.asarray(level_weights[scanned]),
+        jnp.asarray(logit_weights[scanned]), jnp.asarray(offsets[scanned])))
+    record_parts.append(tuple(r.reshape(-1) for r in records))
+
+  all_tokens = jnp.concatenate([r[0] for r in record_parts])
+  all_parents = jnp.concatenate([r[1] for r in record_parts])
+  all_scores = jnp.concatenate([r[2] for r in record_parts])
+  all_levels = jnp.asarray(
+      np.repeat(np.arange(num_levels, dtype=np.int32), np.array(sizes) * k))
+  total = all_scores.shape[0]
+  keep_count = min(config.remain_total, total)
+  _, ranked = lax.top_k(all_scores, keep_count)  # Ties: lower record first.
+  # BFS order: by level, then by rank.
+  bfs = ranked[jnp.argsort(all_levels[ranked] * keep_count
+                           + jnp.arange(keep_count, dtype=jnp.int32))]
+  node_of_record = jnp.zeros((total,), jnp.int32).at[bfs].set(
+      jnp.arange(1, keep_count + 1, dtype=jnp.int32))
+  parent_record = all_parents[bfs]
+  parent_node = jnp.where(parent_record < 0, 0,
+                          node_of_record[jnp.maximum(parent_record, 0)])
+
+  pad = config.remain_total - keep_count
+  node_tokens = jnp.concatenate([context[c - 1:], all_tokens[bfs],
+                                 jnp.zeros((pad,), jnp.int32)])
+  node_parents = jnp.concatenate([jnp.full((1,), -1, jnp.int32), parent_node,
+                                  jnp.full((pad,), -1, jnp.int32)])
+  node_depth = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                                all_levels[bfs] + 1,
+                                jnp.zeros((pad,), jnp.int32)])
+  node_scores = jnp.concatenate([jnp.zeros((1,), jnp.float32), all_scores[bfs],
+                                 jnp.full((pad,), -jnp.inf, jnp.float32)])
+  return build_tree(node_tokens, node_parents, node_depth, node_scores,
+                    jnp.int32(keep_count), max_depth=num_levels)
+
+
+def _check_inputs(logits, context, ngram, config, d2t, context_len):
+  if not isinstance(config, TreeConfig):
+    raise ConfigError(f"config must be a TreeConfig, got {type(config)}.")
+  if getattr(logits, "ndim", None) != 2 or logits.shape[0] < 1:
+    raise InputError("logits must be [D+1, Vd] (one row per draft level); got "
+                     f"shape {getattr(logits, 'shape', None)}.")
+  if config.topk > logits.shape[1]:
+    raise ConfigError(f"TreeConfig.topk={config.topk} exceeds the draft "
+                      f"vocabulary size {logits.shape[1]}.")
+  if getattr(context, "ndim", None) != 1 or context.shape[0] < 1:
+    raise InputError("context must be a 1-D int array of the last committed "
+                     "tokens ending with the root token; got shape "
+                     f"{getattr(context, 'shape', None)}.")
+  if not jnp.issubdtype(context.dtype, jnp.integer):
+    raise InputError(f"context must hold integer token ids, got {context.dtype}.")
+  if d2t is not None and (getattr(d2t, "shape", None) != (logits.shape[1],)
+                          or not jnp.issubdtype(d2t.dtype, jnp.integer)):
+    raise InputError(f"d2t must be an int array of shape [{logits.shape[1]}] "
+                     f"(one offset per draft id); got {getattr(d2t, 'shape', None)}.")
+  if context_len is not None and jnp.shape(context_len) != ():
+    raise InputError("context_len must be a scalar (per example); got shape "
+                     f"{jnp.shape(context_len)}.")
+  if ngram is not None and not isinstance(ngram, NGramTable):
+    raise InputError("ngram must be the device table (NGram.to_table()) or "
+                     f"None; got {type(ngram).__name__}.")
+
+
+def dart_search(logits: jax.Array, context: jax.Array,
+                ngram: NGramTable | None, config: TreeConfig,
+                d2t: jax.Array | None = None,
+                context_len: jax.Array | None = None) -> Tree:
+  """Builds the DART draft tree for one round (jittable, vmappable).
+
+  Args:
+    logits: [D+1, Vd] draft-head logits, one row per level (finite).
+    context: int32 [C] the last C committed tokens, ending with the root (the
+      root token becomes node 0). C is static; only the last order-1 matter.
+    ngram: `NGramTable` pytree, or None for no N-gram term.
+    config: `TreeConfig` (static under jit).
+    d2t: int32 [Vd] offsets, draft id i -> target id i + d2t[i]; None =
+      identity.
+    context_len: int32 [] how many trailing entries of `context` are real
+      (the front is padding); None = all. Clipped to [1, C].
+
+  Returns:
+    `Tree` with N = config.remain_total and D+2 path columns; see
+    `dart_jax.tree.structure` for the conventions.
+  """
+  _check_inputs(logits, context, ngram, config, d2t, context_len)
+  tokens, log_probs = level_candidates(logits, config, d2t)
+  return search_candidates(tokens, log_probs, context, ngram, config,
+                           context_len)
