@@ -72,11 +72,14 @@ def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array
     rows: [B, T, ...] new entries.
     start: [B] int offsets; row b goes to ``cache[b, start[b]:start[b]+T]``.
   Returns:
-    The updated cache.
+    The updated cache; entries that would land past S are dropped.
   """
-  def one(c, r, s):
-    return jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), s, axis=0)
-  return jax.vmap(one)(cache, rows, start)
+  batch, t = rows.shape[:2]
+  # A scatter updates only the T rows; a vmapped dynamic_update_slice becomes a
+  # select over the whole buffer, i.e. a full copy of the cache per call.
+  index = start[:, None] + jnp.arange(t)[None, :]
+  return cache.at[jnp.arange(batch)[:, None], index].set(rows.astype(cache.dtype),
+                                                         mode="promise_in_bounds")
 
 
 def gather_rows(cache: jax.Array, index: jax.Array) -> jax.Array:

@@ -114,6 +114,10 @@ class Attention(nnx.Module):
       out = tree_attention(q, empty, empty, jnp.zeros((b,), jnp.int32), k, v, tree_mask,
                            impl=impl, interpret=mode == "interpret")
       return self.o_proj(out.reshape(b, t, -1)), None, None
+    # Write first, then read: reading the old buffer after an in-place update
+    # would make XLA copy the whole cache every call.
+    k_cache = layers.write_rows(k_cache, k, lengths)
+    v_cache = layers.write_rows(v_cache, v, lengths)
     impl, _, mode = attn_impl.partition(":")
     if resolve_impl(impl) == "xla":
       # XLA reads every cache row it is given: bound the work by attend_len
@@ -125,8 +129,6 @@ class Attention(nnx.Module):
     out = tree_attention(q, k_cache_read, v_cache_read, lengths, k.astype(k_cache.dtype),
                          v.astype(v_cache.dtype), tree_mask, impl=impl,
                          interpret=mode == "interpret")
-    k_cache = layers.write_rows(k_cache, k, lengths)
-    v_cache = layers.write_rows(v_cache, v, lengths)
     return self.o_proj(out.reshape(b, t, -1)), k_cache, v_cache
 
 
