@@ -178,6 +178,7 @@ def encode_prompts(target: Target, prompt, chat: bool = True) -> tuple[list[list
 
   is_single = (isinstance(prompt, str)
                or (isinstance(prompt, (list, tuple, np.ndarray)) and len(prompt) > 0
+                   and not isinstance(prompt[0], str)
                    and (np.isscalar(prompt[0]) or isinstance(prompt[0], dict))))
   if is_single:
     return [one(prompt)], False

@@ -222,3 +222,25 @@ def test_bad_arguments(tiny):
     dj.generate(other, [1, 2], draft=head)
   with pytest.raises(dj.InputError, match="draft"):
     dj.generate(target, [1, 2], ngram=NGram.build([[1, 2, 3]]))
+
+
+SMOLLM2_PROMPTS = [
+    "What is 2 + 2?", "Name a color.", "Say hello in French.", "What is the sun?",
+    "Write one word about cats.", "Count to five.", "What is water made of?",
+    "Give me a fruit.", "Who wrote Hamlet?", "What is a prime number?",
+    "Translate 'thank you' to Spanish.", "What day comes after Monday?",
+    "Describe rain in three words.", "What is the capital of Italy?",
+    "Name an ocean.", "What do bees make?", "Spell 'cat' backwards.",
+    "What is ice?", "Name a planet.", "How many legs does a spider have?",
+]
+
+
+def test_smollm2_random_head_greedy_equals_ar(smollm2):
+  """The embedded SmolLM2 with a random DART head: 20 chat prompts, batches of 4."""
+  head = dj.DartHead.init(smollm2, draft_length=3, draft_vocab_size=8192, seed=0)
+  tree = TreeConfig(topk=4, beam_width=3, remain_total=8)
+  for i in range(0, 20, 4):
+    batch = SMOLLM2_PROMPTS[i:i + 4]
+    ar = dj.generate(smollm2, batch, max_new_tokens=12)
+    sp = dj.generate(smollm2, batch, max_new_tokens=12, draft=head, tree=tree)
+    assert sp.tokens == ar.tokens, batch
