@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dart_jax.errors import CheckpointError, ConfigError
-from dart_jax.models import layers
+from dart_jax.errors import ConfigError
+from dart_jax.models import checkpoint, layers
 from dart_jax.models.config import RopeScaling, rope_from_hf, rope_inv_freq
 from dart_jax.models.transformer import Attention, KVCache
 
@@ -215,10 +215,9 @@ class DartHeadModule(nnx.Module):
     return logits, KVCache(k=(k,), v=(v,), lengths=cache.lengths)
 
 
-# Reference checkpoint name for each NNX state path of ``DartHeadModule``.
 def _ref_name(path: str) -> str:
-  name = path.replace("/kernel", ".weight").replace("/scale", ".weight").replace("/", ".")
-  return name
+  """Reference checkpoint name of a ``DartHeadModule`` state path."""
+  return path.replace("/kernel", ".weight").replace("/scale", ".weight").replace("/", ".")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -298,27 +297,14 @@ class DartHead:
                        tree=tree, **kwargs)
 
 
-def _flat_params(params) -> dict[str, np.ndarray]:
-  out = {}
-  for path, var in nnx.to_flat_state(params):
-    key = "/".join(str(p) for p in path)
-    out[key] = np.asarray(var[...])
-  return out
-
-
 def save_dart(head: DartHead, path: str | os.PathLike) -> None:
   """Writes ``head`` in the reference release's format (config.json +
   model.safetensors; linear weights as [out, in], ``d2t`` as int64 offsets)."""
   from safetensors.numpy import save_file
 
   os.makedirs(path, exist_ok=True)
-  tensors = {}
-  for key, array in _flat_params(head.params).items():
-    if key.endswith("/kernel"):
-      array = array.T
-    if key == "d2t":
-      array = array.astype(np.int64)
-    tensors[_ref_name(key)] = np.ascontiguousarray(array)
+  tensors = checkpoint.tensors_from_state(head.params, _ref_name)
+  tensors["d2t"] = tensors["d2t"].astype(np.int64)
   save_file(tensors, os.path.join(path, "model.safetensors"))
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(head.config.to_hf(), f, indent=2)
@@ -335,25 +321,9 @@ def load_dart(path: str | os.PathLike, target, *, dtype=None) -> DartHead:
   hf, tensors = read_safetensors_dir(path)
   config = DartConfig.from_hf(hf, target.config)
   dtype = dtype or target.dtype
-  abstract = nnx.eval_shape(lambda: DartHeadModule(config, rngs=nnx.Rngs(0),
-                                                   param_dtype=dtype))
-  graphdef, state = nnx.split(abstract)
-  leaves, missing = [], []
-  for p, var in nnx.to_flat_state(state):
-    key = "/".join(str(x) for x in p)
-    name = _ref_name(key)
-    if name not in tensors:
-      missing.append(name)
-      continue
-    array = np.asarray(tensors[name])
-    if key.endswith("/kernel"):
-      array = array.T
-    if array.shape != tuple(var.shape):
-      raise CheckpointError(f"{path}: {name} has shape {array.shape}, the config "
-                            f"expects {tuple(var.shape)}")
-    leaves.append((p, var.replace(jnp.asarray(array, dtype=var.dtype))))
-  if missing:
-    raise CheckpointError(f"{path}: missing tensors {missing}; is this a DART head?")
-  head = DartHead(config, graphdef, nnx.from_flat_state(leaves))
+  graphdef, params = checkpoint.state_from_tensors(
+      lambda: DartHeadModule(config, rngs=nnx.Rngs(0), param_dtype=dtype), tensors,
+      _ref_name, source=os.fspath(path), what="DART head")
+  head = DartHead(config, graphdef, params)
   head.check_target(target)
   return head

@@ -4,7 +4,6 @@ import dataclasses
 import functools
 import logging
 import os
-import re
 from typing import Any, Mapping
 
 import jax
@@ -13,6 +12,7 @@ import numpy as np
 from flax import nnx
 
 from dart_jax.errors import CheckpointError
+from dart_jax.models import checkpoint
 from dart_jax.models.config import ModelConfig, config_from_hf
 from dart_jax.models.transformer import KVCache, ModelOutput, Transformer
 
@@ -85,7 +85,7 @@ def _forward(graphdef, params, tokens, positions, cache, tree_mask, *, attend_le
 
 
 # HF parameter name for each NNX state path of ``Transformer``.
-_HF_NAME_RULES = (
+hf_name = checkpoint.renamer((
     (r"embed_tokens/embedding", "model.embed_tokens.weight"),
     (r"norm/scale", "model.norm.weight"),
     (r"lm_head/kernel", "lm_head.weight"),
@@ -93,44 +93,15 @@ _HF_NAME_RULES = (
     (r"layers/(\d+)/(self_attn|mlp)/(\w+_proj)/bias", r"model.layers.\1.\2.\3.bias"),
     (r"layers/(\d+)/self_attn/(q_norm|k_norm)/scale", r"model.layers.\1.self_attn.\2.weight"),
     (r"layers/(\d+)/(\w+_layernorm)/scale", r"model.layers.\1.\2.weight"),
-)
-
-
-def hf_name(path: str) -> str:
-  """Maps an NNX state path like ``layers/3/mlp/up_proj/kernel`` to its HF name."""
-  for pattern, repl in _HF_NAME_RULES:
-    if re.fullmatch(pattern, path):
-      return re.sub(pattern, repl, path)
-  raise KeyError(f"no HF name for parameter path {path!r}")
+))
 
 
 def params_from_hf(config: ModelConfig, tensors: Mapping[str, np.ndarray], dtype,
                    source: str = "") -> tuple[Any, Any]:
   """Builds (graphdef, params) from HF-named tensors ([out, in] linear weights)."""
-  abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), param_dtype=dtype))
-  graphdef, state = nnx.split(abstract)
-  flat = nnx.to_flat_state(state)
-  missing, leaves = [], []
-  for path, var in flat:
-    key = "/".join(str(p) for p in path)
-    name = hf_name(key)
-    if name not in tensors:
-      missing.append(name)
-      leaves.append((path, var))
-      continue
-    array = np.asarray(tensors[name], dtype=np.float32)
-    if key.endswith("/kernel"):
-      array = array.T
-    if array.shape != tuple(var.shape):
-      raise CheckpointError(
-          f"{source}: tensor {name} has shape {array.shape} (as loaded), but the config "
-          f"expects {tuple(var.shape)}; config.json and the weights disagree")
-    leaves.append((path, var.replace(jnp.asarray(array, dtype=dtype))))
-  if missing:
-    raise CheckpointError(
-        f"{source}: missing {len(missing)} tensor(s), e.g. {missing[:3]}; is this a "
-        f"{config.arch} checkpoint matching its config.json?")
-  return graphdef, nnx.from_flat_state(leaves)
+  return checkpoint.state_from_tensors(
+      lambda: Transformer(config, rngs=nnx.Rngs(0), param_dtype=dtype), tensors, hf_name,
+      source=source, what=f"{config.arch} checkpoint")
 
 
 def load_target(path: str | os.PathLike | None = None, *, dtype=None,
