@@ -1,0 +1,21 @@
+"""The Colab quickstart runs top to bottom on CPU (reduced setting)."""
+
+import os
+import pathlib
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+def test_quickstart_notebook_runs(monkeypatch):
+  monkeypatch.setenv("DART_JAX_NOTEBOOK_SMOKE", "1")
+  nb = nbformat.read(ROOT / "notebooks" / "colab_tpu_quickstart.ipynb", as_version=4)
+  client = NotebookClient(nb, timeout=900, kernel_name="python3",
+                          resources={"metadata": {"path": str(ROOT)}})
+  client.execute()
+  outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                    for o in c.get("outputs", []))
+  assert "mean acceptance length" in outputs and "speedup per prompt" in outputs
