@@ -1,8 +1,15 @@
 """Shared test fixtures."""
 
-import pytest
+import os
 
-import dart_jax as dj
+# The suite's time is mostly XLA compilation of many small programs; LLVM's
+# optimisation level changes compile time, not results. Set before jax loads.
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()
+
+import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+import dart_jax as dj  # pylint: disable=wrong-import-position
 
 
 @pytest.fixture(scope="session")
