@@ -1,0 +1,1 @@
+"""DART head training: ``python -m train.main`` (see ``train/README.md``)."""

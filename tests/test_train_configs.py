@@ -1,0 +1,78 @@
+"""Training configs: presets, JSON files, typed overrides, clear errors."""
+
+import json
+import os
+
+import pytest
+
+from dart_jax.errors import ConfigError
+from train import configs
+
+
+def test_presets_exist_and_are_consistent():
+  assert {"tiny", "smollm2_dart", "qwen3_8b_dart"} <= set(configs.PRESETS)
+  tiny = configs.load_config("tiny")
+  assert os.path.isfile(os.path.join(tiny.target.path, "config.json"))
+  assert all(os.path.isfile(p) for p in tiny.data.train)
+  smol = configs.load_config("smollm2_dart")
+  assert smol.target.path is None  # the embedded SmolLM2 target
+  assert 8192 <= smol.head.draft_vocab_size <= 16384 and smol.head.draft_length in (6, 7)
+  assert configs.load_config("qwen3_8b_dart").target.path == configs.REQUIRED
+
+
+def test_overrides_are_parsed_with_the_field_types():
+  c = configs.load_config("tiny", [
+      "optim.learning_rate=1e-3", "steps=7", "progress=false", "data.train=a.jsonl,b.jsonl",
+      "head.init_from=none", "target.path=/x", "loss.level_decay=0.5", "mesh.fsdp=2"])
+  assert c.optim.learning_rate == 1e-3 and isinstance(c.optim.learning_rate, float)
+  assert c.steps == 7 and c.progress is False
+  assert c.data.train == ("a.jsonl", "b.jsonl")
+  assert c.head.init_from is None and c.target.path == "/x"
+  assert c.loss.level_decay == 0.5 and c.mesh.fsdp == 2
+  assert c.batch_size == configs.PRESETS["tiny"].batch_size  # untouched
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.learnig_rate=1e-3", "did you mean 'learning_rate'"),
+    ("stepz=3", "did you mean 'steps'"),
+    ("optimizer.learning_rate=1", "unknown config key 'optimizer'"),
+    ("steps=ten", "expected int"),
+    ("progress=maybe", "expected bool"),
+    ("optim=3", "is a section"),
+    ("steps", "not key=value"),
+    ("steps=0", "steps must be positive"),
+    ("compute_dtype=float16", "compute_dtype must be"),
+])
+def test_bad_overrides_are_clear_errors(override, message):
+  with pytest.raises(ConfigError, match=message):
+    configs.load_config("tiny", [override])
+
+
+def test_json_config_file_with_base_preset(tmp_path):
+  path = tmp_path / "run.json"
+  path.write_text(json.dumps({"base": "tiny", "steps": 12, "optim": {"learning_rate": 0.002},
+                              "data": {"train": ["x.jsonl"]}}))
+  c = configs.load_config(str(path), ["batch_size=4"])
+  assert c.steps == 12 and c.optim.learning_rate == 0.002 and c.data.train == ("x.jsonl",)
+  assert c.batch_size == 4 and c.head == configs.PRESETS["tiny"].head
+  path.write_text(json.dumps({"base": "tiny", "optim": {"warmup_stpes": 3}}))
+  with pytest.raises(ConfigError, match="optim.warmup_stpes.*did you mean 'warmup_steps'"):
+    configs.load_config(str(path))
+  path.write_text(json.dumps({"steps": "many"}))
+  with pytest.raises(ConfigError, match="steps"):
+    configs.load_config(str(path))
+  path.write_text("{broken")
+  with pytest.raises(ConfigError, match="cannot read config file"):
+    configs.load_config(str(path))
+
+
+def test_unknown_preset_suggests_the_closest():
+  with pytest.raises(ConfigError, match="did you mean 'tiny'"):
+    configs.load_config("tinny")
+
+
+def test_required_target_path_is_reported_before_loading():
+  from train import loop
+
+  with pytest.raises(ConfigError, match="target.path"):
+    loop._load_target(configs.load_config("qwen3_8b_dart"))

@@ -1,0 +1,231 @@
+"""Training data: formats, loss masks, bad input, packing, vocabulary, iteration,
+regeneration."""
+
+import dataclasses
+import json
+import logging
+import os
+
+import numpy as np
+import pytest
+
+from dart_jax.errors import CheckpointError, InputError
+from dart_jax.io import Tokenizer
+from train import data as data_lib
+from train.configs import DataSection, SAMPLE_DATA, TINY_TARGET
+
+CONV = [{"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2 plus 2?"},
+        {"role": "assistant", "content": "2 plus 2 is 4."},
+        {"role": "user", "content": "And 3 plus 3?"},
+        {"role": "assistant", "content": "It is 6."}]
+SHAREGPT = {"conversations": [{"from": {"system": "system", "user": "human",
+                                        "assistant": "gpt"}[m["role"]],
+                               "value": m["content"]} for m in CONV]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+  return Tokenizer.from_dir(TINY_TARGET)
+
+
+def _write(path, lines):
+  with open(path, "w", encoding="utf-8") as f:
+    for line in lines:
+      f.write((line if isinstance(line, str) else json.dumps(line)) + "\n")
+  return str(path)
+
+
+def test_sample_data_is_bundled_small_and_in_both_formats():
+  total = 0
+  for path in SAMPLE_DATA:
+    total += os.path.getsize(path)
+    with open(path) as f:
+      first = json.loads(f.readline())
+    assert "conversations" in first or "messages" in first
+  assert total < 1_000_000
+  stats = data_lib.DataStats()
+  assert len(data_lib.read_records(SAMPLE_DATA, stats)) >= 300 and stats.malformed == 0
+
+
+def test_sharegpt_and_openai_give_the_same_tokens_and_assistant_mask(tokenizer):
+  openai = data_lib.record_to_messages({"messages": CONV})
+  sharegpt = data_lib.record_to_messages(SHAREGPT)
+  assert openai == sharegpt == CONV
+  ex = data_lib.tokenize_chat(tokenizer, openai)
+  text = tokenizer.apply_chat_template(CONV, add_generation_prompt=False)
+  assert tokenizer.decode(ex.tokens.tolist(), skip_special_tokens=False) == text
+  # The targets are exactly the two answers, each with its end-of-turn token.
+  targets = tokenizer.decode(ex.tokens[ex.loss_mask].tolist(), skip_special_tokens=False)
+  assert targets == "2 plus 2 is 4.<|im_end|>It is 6.<|im_end|>"
+  # Contiguous runs: one per assistant turn.
+  runs = np.flatnonzero(np.diff(np.concatenate([[0], ex.loss_mask.astype(int), [0]])) == 1)
+  assert len(runs) == 2
+
+
+def test_assistant_text_repeating_the_question_is_masked_in_the_answer(tokenizer):
+  conv = [{"role": "user", "content": "Say hello"}, {"role": "assistant", "content": "hello"}]
+  ex = data_lib.tokenize_chat(tokenizer, conv)
+  text = tokenizer.decode(ex.tokens[ex.loss_mask].tolist(), skip_special_tokens=False)
+  assert text == "hello<|im_end|>"
+  # The masked tokens are at the end, not inside the user turn.
+  assert ex.loss_mask[-3:].any() and not ex.loss_mask[:5].any()
+
+
+def test_plain_text_records_train_on_every_token(tokenizer):
+  ex = data_lib.tokenize_text(tokenizer, data_lib.record_to_messages({"text": "hello world"}))
+  assert ex.loss_mask.all() and tokenizer.decode(ex.tokens.tolist()) == "hello world"
+
+
+def test_malformed_lines_are_counted_and_skipped_with_a_warning(tmp_path, tokenizer, caplog):
+  path = _write(tmp_path / "mixed.jsonl", [
+      {"messages": CONV},
+      "{not json",
+      "[1, 2, 3]",
+      {"conversations": [{"from": "alien", "value": "hi"}]},
+      {"messages": [{"role": "user", "content": 5}]},
+      {"foo": "bar"},
+      "",
+      SHAREGPT,
+  ])
+  with caplog.at_level(logging.WARNING):
+    prepared = data_lib.prepare_data(
+        DataSection(train=(path,), eval_fraction=0.0, max_len=64), tokenizer)
+  assert prepared.stats.malformed == 5
+  assert prepared.stats.records == 2
+  assert "skipped 5 malformed" in caplog.text and "mixed.jsonl:2" in caplog.text
+  assert len(prepared.train) >= 1
+
+
+def test_data_without_assistant_tokens_is_a_clear_error(tmp_path, tokenizer):
+  path = _write(tmp_path / "users.jsonl",
+                [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(4)])
+  with pytest.raises(InputError, match="no assistant tokens"):
+    data_lib.prepare_data(DataSection(train=(path,), eval_fraction=0.0), tokenizer)
+  empty = _write(tmp_path / "bad.jsonl", ["{oops", "[]"])
+  with pytest.raises(InputError, match="no well-formed records"):
+    data_lib.prepare_data(DataSection(train=(empty,)), tokenizer)
+  with pytest.raises(InputError, match="not found"):
+    data_lib.prepare_data(DataSection(train=(str(tmp_path / "missing.jsonl"),)), tokenizer)
+
+
+def test_packing_segments_positions_and_truncation():
+  ex = lambda n, m: data_lib.Example(np.arange(1, n + 1, dtype=np.int32), np.array(m, bool))
+  stats = data_lib.DataStats()
+  examples = [ex(4, [0, 1, 1, 1]), ex(3, [0, 0, 1]), ex(6, [0, 1, 1, 1, 1, 1]),
+              ex(3, [0, 0, 0])]  # the last has no target: dropped
+  rows = data_lib.pack_examples(examples, 5, pack=True, stats=stats)
+  assert stats.truncated == 1
+  np.testing.assert_array_equal(rows.segment_ids, [[1, 1, 1, 1, 0], [1, 1, 1, 0, 0],
+                                                   [1, 1, 1, 1, 1]])
+  np.testing.assert_array_equal(rows.positions[2], [0, 1, 2, 3, 4])
+  np.testing.assert_array_equal(rows.tokens[2], [1, 2, 3, 4, 5])
+  rows = data_lib.pack_examples(examples[:2], 8, pack=True)
+  np.testing.assert_array_equal(rows.segment_ids, [[1, 1, 1, 1, 2, 2, 2, 0]])
+  np.testing.assert_array_equal(rows.positions, [[0, 1, 2, 3, 0, 1, 2, 0]])
+  np.testing.assert_array_equal(rows.loss_mask, [[0, 1, 1, 1, 0, 0, 1, 0]])
+  assert len(data_lib.pack_examples(examples[:2], 8, pack=False)) == 2
+
+
+def test_draft_vocab_is_the_most_frequent_target_tokens_sorted():
+  tokens = np.array([[5, 5, 5, 7, 7, 2, 9, 9, 9, 9]], np.int32)
+  loss_mask = np.array([[1, 1, 1, 1, 1, 1, 0, 0, 0, 0]], bool)  # 9 is not a target
+  rows = data_lib.Rows(tokens, loss_mask, np.ones_like(tokens), np.zeros_like(tokens))
+  np.testing.assert_array_equal(data_lib.select_draft_vocab(rows, 12, 2), [5, 7])
+  np.testing.assert_array_equal(data_lib.select_draft_vocab(rows, 12, 3), [2, 5, 7])
+  # Fewer distinct targets than Vd: then other tokens of the rows, then small ids.
+  np.testing.assert_array_equal(data_lib.select_draft_vocab(rows, 12, 5), [0, 2, 5, 7, 9])
+
+
+def _rows(n):
+  t = np.arange(n, dtype=np.int32)[:, None] * np.ones((1, 4), np.int32)
+  return data_lib.Rows(t, np.ones_like(t, bool), np.ones_like(t), np.zeros_like(t))
+
+
+def test_iterator_is_deterministic_resumable_and_sharded_by_process():
+  rows = _rows(10)
+  first = [next(data_lib.BatchIterator(rows, 4, seed=3))["tokens"][:, 0] for _ in range(2)]
+  np.testing.assert_array_equal(first[0], first[1])
+  it = data_lib.BatchIterator(rows, 4, seed=3)
+  seen = np.concatenate([next(it)["tokens"][:, 0] for _ in range(5)])  # 20 = 2 epochs
+  assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:]) == list(range(10))
+  assert list(seen[:10]) != list(range(10))  # shuffled
+  state = it.get_state()
+  after = [next(it)["tokens"][:, 0] for _ in range(3)]
+  resumed = data_lib.BatchIterator(rows, 4, seed=3)
+  resumed.set_state(json.loads(json.dumps(state)))
+  for expected in after:
+    np.testing.assert_array_equal(next(resumed)["tokens"][:, 0], expected)
+  # Two processes: their halves make up the single-process global batch.
+  single = data_lib.BatchIterator(rows, 4, seed=3)
+  p0 = data_lib.BatchIterator(rows, 4, seed=3, process_index=0, process_count=2)
+  p1 = data_lib.BatchIterator(rows, 4, seed=3, process_index=1, process_count=2)
+  for _ in range(3):
+    both = np.concatenate([next(p0)["tokens"][:, 0], next(p1)["tokens"][:, 0]])
+    np.testing.assert_array_equal(both, next(single)["tokens"][:, 0])
+  with pytest.raises(CheckpointError, match="num_rows"):
+    data_lib.BatchIterator(_rows(11), 4, seed=3).set_state(state)
+
+
+def test_eval_batches_are_fixed_and_padded():
+  batches = data_lib.eval_batches(_rows(5), 4, max_batches=3)
+  assert len(batches) == 2
+  np.testing.assert_array_equal(batches[1]["tokens"][:, 0], [4, 0, 0, 0])
+  np.testing.assert_array_equal(batches[1]["segment_ids"][1:], 0)
+
+
+def test_prepared_data_is_cached(tmp_path, tokenizer, monkeypatch):
+  config = DataSection(train=SAMPLE_DATA, max_len=128)
+  a = data_lib.prepare_data(config, tokenizer, str(tmp_path))
+  suffixes = sorted(name.split(".", 1)[1] for name in os.listdir(tmp_path))
+  assert suffixes == ["eval.npz", "json", "train.npz"]
+
+  def no_tokenizing(*args, **kwargs):
+    raise AssertionError("the cache was not used")
+
+  monkeypatch.setattr(data_lib, "tokenize_records", no_tokenizing)
+  b = data_lib.prepare_data(config, tokenizer, str(tmp_path))
+  np.testing.assert_array_equal(a.train.tokens, b.train.tokens)
+  assert dataclasses.asdict(a.stats) == dataclasses.asdict(b.stats)
+  assert a.eval is not None and len(a.eval) >= 1
+
+
+def test_regenerate_replaces_answers_and_resumes_exactly(tmp_path):
+  import dart_jax as dj
+
+  target = dj.load_target(TINY_TARGET)
+  convs = [{"messages": [{"role": "user", "content": "What is 2 plus 3?"},
+                         {"role": "assistant", "content": "ORIGINAL"},
+                         {"role": "user", "content": "And if you add 10 to that?"},
+                         {"role": "assistant", "content": "ORIGINAL"}]},
+           SHAREGPT,
+           {"messages": [{"role": "assistant", "content": "no user turn"}]},
+           {"messages": [{"role": "user", "content": "Hello there."}]},
+           "{broken"]
+  src = _write(tmp_path / "in.jsonl", convs)
+  kwargs = dict(max_new_tokens=4, batch_size=2, temperature=0.0, progress=False)
+  full = data_lib.regenerate(target, [src], str(tmp_path / "full.jsonl"), **kwargs)
+  assert full == {"written": 3, "skipped": 1, "unanswered": 0, "malformed": 1,
+                  "batches_done": 2, "batches_total": 2}
+  part = str(tmp_path / "part.jsonl")
+  first = data_lib.regenerate(target, [src], part, max_batches=1, **kwargs)
+  assert first["written"] == 2 and first["batches_done"] == 1
+  with open(part, "a") as f:
+    f.write('{"messages": [{"role": "user", "con')  # killed mid-line
+  rc = data_lib.main(["regenerate", "--model", TINY_TARGET, "--data", src, "--out", part,
+                      "--max-new-tokens", "4", "--batch-size", "2"])
+  assert rc == 0
+  with open(tmp_path / "full.jsonl") as f:
+    full_lines = f.read()
+  with open(part) as f:
+    assert f.read() == full_lines
+  lines = [json.loads(x) for x in full_lines.splitlines()]
+  assert [x["index"] for x in lines] == [0, 1, 3]
+  roles = [m["role"] for m in lines[0]["messages"]]
+  assert roles == ["user", "assistant", "user", "assistant"]
+  assert all(m["content"] != "ORIGINAL" for m in lines[0]["messages"])
+  assert lines[1]["messages"][0] == {"role": "system", "content": "Be brief."}
+  assert lines[2]["messages"][-1]["role"] == "assistant"
+  # Greedy answers are the target's own continuation of the same prompt.
+  alone = dj.generate(target, [lines[2]["messages"][:1]], max_new_tokens=4)
+  assert lines[2]["messages"][1]["content"] == alone.text[0]

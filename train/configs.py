@@ -1,0 +1,368 @@
+"""Typed training configurations: presets, JSON files and ``key=value`` overrides.
+
+A config is a frozen ``TrainConfig`` made of sections (``target``, ``head``,
+``data``, ``loss``, ``optim``, ``mesh``) plus top-level run settings. Select one
+with ``--config NAME_OR_FILE``: a preset name (``tiny``, ``smollm2_dart``,
+``qwen3_8b_dart``) or a JSON file whose nested keys mirror the dataclasses and
+may name a preset to start from with ``"base": "tiny"``. Overrides use dotted
+keys: ``optim.learning_rate=1e-3 steps=200 data.train=a.jsonl,b.jsonl``.
+Unknown keys are errors (with the closest valid key suggested).
+"""
+
+import dataclasses
+import difflib
+import json
+import os
+import types
+import typing
+from typing import Any, Mapping, Sequence
+
+from dart_jax.errors import ConfigError
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SAMPLE_DATA_DIR = os.path.join(REPO_ROOT, "train", "sample_data")
+SAMPLE_DATA = (os.path.join(SAMPLE_DATA_DIR, "chat_sharegpt.jsonl"),
+               os.path.join(SAMPLE_DATA_DIR, "chat_openai.jsonl"))
+TINY_TARGET = os.path.join(SAMPLE_DATA_DIR, "tiny_target")
+REQUIRED = "REQUIRED"  # A path the user must set (no sensible default exists).
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetSection:
+  """The frozen target model.
+
+  path: HF directory, ``.gguf`` file, or None for the embedded SmolLM2-135M.
+  dtype: "auto" (float32 on CPU, bfloat16 on TPU/GPU), "float32" or "bfloat16".
+  """
+
+  path: str | None = None
+  dtype: str = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSection:
+  """The DART head being trained.
+
+  draft_length: D mask slots (D+1 draft levels).
+  draft_vocab_size: Vd; 0 = the whole target vocabulary.
+  init_from: a DART head directory to continue from (reference format).
+  """
+
+  draft_length: int = 6
+  draft_vocab_size: int = 16384
+  double_norm: bool = True
+  init_from: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+  """Training data.
+
+  train: JSONL files (ShareGPT ``conversations``, OpenAI ``messages`` or ``text``).
+  eval: held-out JSONL files; empty = hold out ``eval_fraction`` of ``train``.
+  max_len: tokens per row; longer conversations are truncated.
+  pack: pack several conversations per row (segment-isolated attention).
+  max_examples: use only the first N records (0 = all).
+  cache: cache tokenized rows under ``WORKDIR/data_cache``.
+  """
+
+  train: tuple[str, ...] = SAMPLE_DATA
+  eval: tuple[str, ...] = ()
+  eval_fraction: float = 0.05
+  max_len: int = 1024
+  pack: bool = True
+  shuffle_seed: int = 0
+  max_examples: int = 0
+  cache: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSection:
+  """The training objective (``train/losses.py``).
+
+  num_anchors: anchors per row, drawn at random among positions with a loss
+    target; 0 = every position is an anchor.
+  level_decay: level k is weighted ``level_decay ** k``.
+  """
+
+  num_anchors: int = 64
+  level_decay: float = 0.6
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSection:
+  """AdamW with linear warmup, cosine decay and global-norm clipping.
+
+  The paper publishes no optimizer settings; these are EAGLE-style defaults.
+  end_lr_ratio: final learning rate as a fraction of the peak.
+  """
+
+  learning_rate: float = 5e-4
+  warmup_steps: int = 200
+  end_lr_ratio: float = 0.05
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  weight_decay: float = 0.0
+  clip_norm: float = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSection:
+  """Device mesh (data, fsdp, tensor); -1 = all devices the others leave."""
+
+  data: int = -1
+  fsdp: int = 1
+  tensor: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """One training run.
+
+  steps: optimizer steps; batch_size: rows per step over all processes.
+  param_dtype: master copy of the head's parameters.
+  compute_dtype: "auto" (target dtype), "float32" or "bfloat16" for the head's
+    forward (loss and softmax always in float32).
+  attn_impl: tree_attention implementation for training passes; "xla" is the
+    differentiable one.
+  export_dir: where the final head is written (default ``WORKDIR/export``).
+  distributed: "auto" tries ``jax.distributed.initialize()`` and takes the
+    ValueError of a single host as "single host"; "on" / "off" force it.
+  """
+
+  target: TargetSection = TargetSection()
+  head: HeadSection = HeadSection()
+  data: DataSection = DataSection()
+  loss: LossSection = LossSection()
+  optim: OptimSection = OptimSection()
+  mesh: MeshSection = MeshSection()
+  steps: int = 1000
+  batch_size: int = 16
+  seed: int = 0
+  param_dtype: str = "float32"
+  compute_dtype: str = "auto"
+  attn_impl: str = "xla"
+  log_every: int = 10
+  eval_every: int = 200
+  eval_batches: int = 8
+  checkpoint_every: int = 200
+  keep_checkpoints: int = 2
+  export_dir: str | None = None
+  progress: bool = True
+  distributed: str = "auto"
+
+  def __post_init__(self):
+    for name in ("steps", "batch_size", "log_every", "eval_every", "checkpoint_every"):
+      if getattr(self, name) <= 0:
+        raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+    for name in ("param_dtype", "compute_dtype"):
+      if getattr(self, name) not in ("auto", "float32", "bfloat16"):
+        raise ConfigError(f"{name} must be auto, float32 or bfloat16, got "
+                          f"{getattr(self, name)!r}")
+    if self.distributed not in ("auto", "on", "off"):
+      raise ConfigError(f"distributed must be auto, on or off, got {self.distributed!r}")
+    if self.head.draft_length < 1:
+      raise ConfigError(f"head.draft_length must be >= 1, got {self.head.draft_length}")
+    if not 0 <= self.data.eval_fraction < 1:
+      raise ConfigError(f"data.eval_fraction must be in [0, 1), got "
+                        f"{self.data.eval_fraction}")
+    if self.data.max_len < self.head.draft_length + 3:
+      raise ConfigError(f"data.max_len={self.data.max_len} is too short for "
+                        f"draft_length={self.head.draft_length}")
+
+
+PRESETS: dict[str, TrainConfig] = {
+    # A head for the bundled tiny Llama (vocab 320, 4 layers, hidden 64; trained
+    # on the sample chats by sample_data/make_tiny_target.py) on the bundled
+    # sample chats, through the real tokenizer / chat-template path. About a
+    # minute on 2 CPU cores.
+    "tiny": TrainConfig(
+        target=TargetSection(path=TINY_TARGET, dtype="float32"),
+        head=HeadSection(draft_length=3, draft_vocab_size=256),
+        data=DataSection(max_len=128, eval_fraction=0.05),
+        loss=LossSection(num_anchors=32),
+        optim=OptimSection(learning_rate=1e-2, warmup_steps=10, end_lr_ratio=0.1,
+                           clip_norm=1.0),
+        steps=200, batch_size=8, log_every=10, eval_every=100, eval_batches=2,
+        checkpoint_every=50,
+    ),
+    # SmolLM2-135M-Instruct (the embedded default target), reduced draft
+    # vocabulary. Regenerate the data with the target first for best heads:
+    #   python -m train.data regenerate --data IN.jsonl --out OUT.jsonl
+    "smollm2_dart": TrainConfig(
+        target=TargetSection(path=None),
+        head=HeadSection(draft_length=6, draft_vocab_size=12288),
+        data=DataSection(max_len=1024),
+        loss=LossSection(num_anchors=128),
+        optim=OptimSection(learning_rate=5e-4, warmup_steps=500),
+        steps=20000, batch_size=32, eval_every=1000, checkpoint_every=1000,
+    ),
+    # Qwen3-8B on a TPU pod slice: shard the target over fsdp, bfloat16 compute.
+    "qwen3_8b_dart": TrainConfig(
+        target=TargetSection(path=REQUIRED, dtype="bfloat16"),
+        head=HeadSection(draft_length=7, draft_vocab_size=32000),
+        data=DataSection(max_len=2048),
+        loss=LossSection(num_anchors=256),
+        optim=OptimSection(learning_rate=3e-4, warmup_steps=1000),
+        mesh=MeshSection(data=1, fsdp=-1, tensor=1),
+        steps=40000, batch_size=64, compute_dtype="bfloat16", eval_every=2000,
+        checkpoint_every=1000,
+    ),
+}
+
+
+def _field_types(cls) -> dict[str, Any]:
+  return typing.get_type_hints(cls)
+
+
+def _suggest(name: str, options: Sequence[str]) -> str:
+  close = difflib.get_close_matches(name, list(options), n=1)
+  return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _parse_value(text: str, kind: Any, key: str) -> Any:
+  """Parses an override string into ``kind`` (int, float, bool, str, tuples, Optional)."""
+  origin = typing.get_origin(kind)
+  args = typing.get_args(kind)
+  if origin in (typing.Union, types.UnionType):
+    if text.lower() in ("none", "null", ""):
+      if type(None) in args:
+        return None
+    inner = [a for a in args if a is not type(None)]
+    return _parse_value(text, inner[0], key)
+  if origin is tuple:
+    return tuple(_parse_value(part, args[0], key) for part in text.split(",") if part)
+  try:
+    if kind is bool:
+      lowered = text.lower()
+      if lowered in ("true", "1", "yes", "on"):
+        return True
+      if lowered in ("false", "0", "no", "off"):
+        return False
+      raise ValueError(text)
+    if kind is int:
+      return int(text)
+    if kind is float:
+      return float(text)
+    if kind is str:
+      return text
+  except ValueError:
+    raise ConfigError(f"bad value {text!r} for {key}: expected {kind.__name__}") from None
+  raise ConfigError(f"cannot parse {key} of type {kind}")
+
+
+def _coerce(value: Any, kind: Any, key: str) -> Any:
+  """Checks / converts a JSON value to a field type."""
+  if isinstance(value, str) and kind is not str and not (
+      typing.get_origin(kind) in (typing.Union, types.UnionType) and str in typing.get_args(kind)):
+    return _parse_value(value, kind, key)
+  origin = typing.get_origin(kind)
+  if origin is tuple:
+    if isinstance(value, str):
+      return (value,)
+    if not isinstance(value, (list, tuple)):
+      raise ConfigError(f"{key} must be a list, got {value!r}")
+    return tuple(value)
+  if kind is float and isinstance(value, int) and not isinstance(value, bool):
+    return float(value)
+  if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+    raise ConfigError(f"{key} must be an integer, got {value!r}")
+  if kind is bool and not isinstance(value, bool):
+    raise ConfigError(f"{key} must be true or false, got {value!r}")
+  return value
+
+
+def _replace_nested(obj: Any, updates: Mapping[str, Any], prefix: str = "") -> Any:
+  """``dataclasses.replace`` for nested sections; values may be dicts for sections."""
+  types_ = _field_types(type(obj))
+  changes = {}
+  for name, value in updates.items():
+    key = prefix + name
+    if name not in types_:
+      raise ConfigError(f"unknown config key {key!r}{_suggest(name, list(types_))}; "
+                        f"valid keys here: {', '.join(sorted(types_))}")
+    kind = types_[name]
+    current = getattr(obj, name)
+    if dataclasses.is_dataclass(current):
+      if not isinstance(value, Mapping):
+        raise ConfigError(f"{key} is a section; set its keys, e.g. {key}.<name>=...")
+      changes[name] = _replace_nested(current, value, key + ".")
+    else:
+      changes[name] = _coerce(value, kind, key)
+  return dataclasses.replace(obj, **changes)
+
+
+def parse_overrides(overrides: Sequence[str]) -> dict:
+  """``["a.b=1", "c=x"]`` -> ``{"a": {"b": "1"}, "c": "x"}`` (values still strings)."""
+  nested: dict = {}
+  for item in overrides:
+    if "=" not in item:
+      raise ConfigError(f"override {item!r} is not key=value (e.g. optim.learning_rate=1e-3)")
+    key, value = item.split("=", 1)
+    parts = key.strip().split(".")
+    node = nested
+    for part in parts[:-1]:
+      node = node.setdefault(part, {})
+      if not isinstance(node, dict):
+        raise ConfigError(f"override {item!r} conflicts with an earlier one")
+    node[parts[-1]] = value
+  return nested
+
+
+def _resolve_strings(tree: dict, config: TrainConfig) -> dict:
+  """Parses string override values with the field types of ``config``."""
+  def walk(obj, updates, prefix):
+    types_ = _field_types(type(obj))
+    out = {}
+    for name, value in updates.items():
+      key = prefix + name
+      if name not in types_:
+        raise ConfigError(f"unknown config key {key!r}{_suggest(name, list(types_))}; "
+                          f"valid keys here: {', '.join(sorted(types_))}")
+      current = getattr(obj, name)
+      if isinstance(value, dict):
+        if not dataclasses.is_dataclass(current):
+          raise ConfigError(f"{key} is not a section")
+        out[name] = walk(current, value, key + ".")
+      elif dataclasses.is_dataclass(current):
+        raise ConfigError(f"{key} is a section; set its keys, e.g. {key}.<name>=...")
+      else:
+        out[name] = _parse_value(value, types_[name], key)
+    return out
+  return walk(config, tree, "")
+
+
+def load_config(name_or_file: str, overrides: Sequence[str] = ()) -> TrainConfig:
+  """A preset or JSON file, with ``key=value`` overrides applied.
+
+  Raises ConfigError for unknown presets, unreadable files, unknown keys and
+  values of the wrong type.
+  """
+  if name_or_file in PRESETS:
+    config = PRESETS[name_or_file]
+  elif os.path.isfile(name_or_file):
+    try:
+      with open(name_or_file, encoding="utf-8") as f:
+        raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+      raise ConfigError(f"cannot read config file {name_or_file!r}: {e}") from e
+    if not isinstance(raw, dict):
+      raise ConfigError(f"config file {name_or_file!r} must hold a JSON object")
+    base = raw.pop("base", None)
+    if base is not None and base not in PRESETS:
+      raise ConfigError(f"config file {name_or_file!r}: unknown base preset {base!r}; "
+                        f"presets: {', '.join(PRESETS)}")
+    config = _replace_nested(PRESETS[base] if base else TrainConfig(), raw)
+  else:
+    raise ConfigError(f"--config {name_or_file!r} is neither a preset "
+                      f"({', '.join(PRESETS)}) nor an existing JSON file"
+                      f"{_suggest(name_or_file, list(PRESETS))}")
+  if overrides:
+    config = _replace_nested(config, _resolve_strings(parse_overrides(overrides), config))
+  return config
+
+
+def to_dict(config: TrainConfig) -> dict:
+  """JSON-serialisable form (written next to checkpoints)."""
+  return dataclasses.asdict(config)

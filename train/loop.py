@@ -1,0 +1,415 @@
+"""The training loop: jitted train step, evaluation, Orbax checkpoints, export.
+
+State (a pytree, checkpointed whole): the head's trainable parameters and its
+``d2t``/``t2d`` buffers as nested dicts, the Optax state, the step and the RNG
+key (anchor sampling). The data iterator's state is saved next to it as JSON, so
+a restarted run continues with exactly the batches and anchors it would have
+seen. The target is frozen: its parameters are an argument of the step, never
+differentiated and never saved.
+"""
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import dart_jax as dj
+from dart_jax.draft.dart_head import Buffer, DartConfig, DartHead, DartHeadModule
+from dart_jax.errors import CheckpointError, ConfigError
+from train import data as data_lib
+from train import losses
+from train import sharding
+from train.configs import REQUIRED, OptimSection, TrainConfig, to_dict
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+  """Everything static about a train step (hashable: one compile per setting)."""
+
+  head_config: DartConfig
+  num_anchors: int
+  level_decay: float
+  param_dtype: str
+  compute_dtype: str
+  attn_impl: str
+  optim: OptimSection
+  steps: int
+
+
+def make_optimizer(optim: OptimSection, steps: int) -> tuple[optax.GradientTransformation,
+                                                             optax.Schedule]:
+  """AdamW (decay on matrices only) after global-norm clipping; linear warmup
+  then cosine decay to ``end_lr_ratio * learning_rate``."""
+  warmup = min(optim.warmup_steps, max(steps - 1, 0))
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=optim.learning_rate, warmup_steps=warmup,
+      decay_steps=max(steps, warmup + 1), end_value=optim.learning_rate * optim.end_lr_ratio)
+  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  tx = optax.chain(
+      optax.clip_by_global_norm(optim.clip_norm),
+      optax.adamw(schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps,
+                  weight_decay=optim.weight_decay, mask=decay_mask))
+  return tx, schedule
+
+
+def split_head(head: DartHead, param_dtype) -> tuple[dict, dict]:
+  """A head -> (trainable params, buffers) as nested dicts; params in param_dtype."""
+  module = head.module()
+  _, params, buffers = nnx.split(module, nnx.Param, Buffer)
+  params = jax.tree.map(lambda x: jnp.asarray(x, param_dtype), nnx.to_pure_dict(params))
+  return params, nnx.to_pure_dict(buffers)
+
+
+def merge_head(config: DartConfig, params: dict, buffers: dict, dtype=None) -> DartHeadModule:
+  """Nested dicts -> a ``DartHeadModule`` (works on tracers inside jit)."""
+  dtype = dtype or jax.tree.leaves(params)[0].dtype
+  abstract = nnx.eval_shape(lambda: DartHeadModule(config, rngs=nnx.Rngs(0), param_dtype=dtype))
+  graphdef, abs_params, abs_buffers = nnx.split(abstract, nnx.Param, Buffer)
+  nnx.replace_by_pure_dict(abs_params, params)
+  nnx.replace_by_pure_dict(abs_buffers, buffers)
+  return nnx.merge(graphdef, abs_params, abs_buffers)
+
+
+def head_from_state(config: DartConfig, state: dict) -> DartHead:
+  """The trained head (host arrays) from a train state."""
+  params = jax.device_get(state["params"])
+  buffers = jax.device_get(state["buffers"])
+  module = merge_head(config, jax.tree.map(jnp.asarray, params),
+                      jax.tree.map(jnp.asarray, buffers))
+  graphdef, full = nnx.split(module)
+  return DartHead(config, graphdef, full)
+
+
+def state_specs(state: dict, settings: StepSettings, mesh) -> dict:
+  """PartitionSpecs of a train state: parameters and moments by the rules."""
+  def param_spec(path, leaf):
+    return sharding.spec_for(sharding.path_str(path), np.shape(leaf), mesh)
+
+  params = jax.tree_util.tree_map_with_path(param_spec, state["params"])
+  tx, _ = make_optimizer(settings.optim, settings.steps)
+  opt = optax.tree_map_params(tx, lambda _, spec: spec, state["opt_state"], params,
+                              transform_non_params=lambda _: P(),
+                              is_leaf=lambda x: isinstance(x, P))
+  return {"params": params, "buffers": jax.tree.map(lambda _: P(), state["buffers"]),
+          "opt_state": opt, "step": P(), "rng": P()}
+
+
+def _forward(settings: StepSettings, target_graphdef, target_params, params, buffers,
+             batch, key):
+  """Loss and per-level stats of one batch (head params differentiable)."""
+  c = settings.head_config
+  target_model = nnx.merge(target_graphdef, target_params)
+  valid = losses.level_targets(batch["loss_mask"], batch["segment_ids"], c.num_levels)
+  anchors, weights = losses.choose_anchors(key, valid, settings.num_anchors)
+  taps, teacher, next_embeds = losses.target_forward(
+      target_model, batch, anchors, c.tap_layers, c.num_levels, attn_impl=settings.attn_impl)
+  compute = (jax.tree.leaves(target_params)[0].dtype if settings.compute_dtype == "auto"
+             else _DTYPES[settings.compute_dtype])
+  cast = jax.tree.map(lambda p: p.astype(compute), params)
+  head = merge_head(c, cast, buffers, compute)
+  draft = losses.draft_logits(head, next_embeds, taps, batch["positions"],
+                              batch["segment_ids"], anchors, attn_impl=settings.attn_impl)
+  return losses.dart_loss(draft, teacher, weights, buffers["d2t"], settings.level_decay)
+
+
+def _global_norm(tree) -> jax.Array:
+  return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
+def _constrain(tree, specs):
+  if jax.sharding.get_abstract_mesh().empty:
+    return tree
+  return jax.lax.with_sharding_constraint(tree, specs)
+
+
+@functools.partial(jax.jit, static_argnames=("settings", "target_graphdef"),
+                   donate_argnames=("state",))
+def train_step(state: dict, target_params, batch: dict, *, settings: StepSettings,
+               target_graphdef) -> tuple[dict, dict]:
+  """One optimizer step. batch: dict of [B, T] arrays (tokens, loss_mask,
+  segment_ids, positions). Returns (new state, metrics with LevelStats sums)."""
+  rng, key = jax.random.split(state["rng"])
+  grad_fn = jax.value_and_grad(
+      lambda p: _forward(settings, target_graphdef, target_params, p, state["buffers"],
+                         batch, key), has_aux=True)
+  (loss, stats), grads = grad_fn(state["params"])
+  tx, schedule = make_optimizer(settings.optim, settings.steps)
+  updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+  params = optax.apply_updates(state["params"], updates)
+  new_state = {"params": params, "buffers": state["buffers"], "opt_state": opt_state,
+               "step": state["step"] + 1, "rng": rng}
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty:
+    new_state = _constrain(new_state, state_specs(new_state, settings, mesh))
+  metrics = {"loss": loss, "grad_norm": _global_norm(grads),
+             "lr": schedule(state["step"]), "stats": stats,
+             "tokens": jnp.sum(batch["segment_ids"] > 0)}
+  return new_state, metrics
+
+
+@functools.partial(jax.jit, static_argnames=("settings", "target_graphdef"))
+def eval_step(params, buffers, target_params, batch, key, *, settings: StepSettings,
+              target_graphdef) -> losses.LevelStats:
+  """Per-level stats of one held-out batch (fixed anchors for a fixed key)."""
+  _, stats = _forward(settings, target_graphdef, target_params, params, buffers, batch, key)
+  return stats
+
+
+def init_state(head: DartHead, settings: StepSettings, seed: int) -> dict:
+  """A fresh train state. Arrays are copies: the step donates its state, and
+  ``head`` must stay usable."""
+  params, buffers = jax.tree.map(jnp.copy, split_head(head, _DTYPES[settings.param_dtype]))
+  tx, _ = make_optimizer(settings.optim, settings.steps)
+  return {"params": params, "buffers": buffers, "opt_state": tx.init(params),
+          "step": jnp.zeros((), jnp.int32), "rng": jax.random.PRNGKey(seed)}
+
+
+def put_global(tree, shardings):
+  """Host values (identical on every process) -> global arrays with ``shardings``.
+
+  ``make_array_from_callback`` builds each process's shards from its own copy,
+  which also works when the mesh spans several hosts (``device_put`` of a local
+  array to a multi-host sharding does not).
+  """
+  def one(x, s):
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, s, lambda index: host[index])
+  return jax.tree.map(one, tree, shardings)
+
+
+def place_state(state: dict, settings: StepSettings, mesh) -> dict:
+  specs = state_specs(state, settings, mesh)
+  shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), specs,
+                           is_leaf=lambda x: isinstance(x, P))
+  return put_global(state, shardings)
+
+
+def place_target(target, mesh):
+  """The target's parameters sharded by the rules over ``mesh``."""
+  return put_global(target.params, sharding.param_shardings(target.params, mesh))
+
+
+# ---------------------------------------------------------------- logging
+
+
+class MetricsLog:
+  """stdout lines (through tqdm) and ``WORKDIR/metrics.jsonl``; process 0 only."""
+
+  def __init__(self, workdir: str, enabled: bool, bar=None):
+    self.enabled = enabled
+    self.bar = bar
+    self.path = os.path.join(workdir, "metrics.jsonl")
+
+  def write(self, record: dict) -> None:
+    if not self.enabled:
+      return
+    with open(self.path, "a", encoding="utf-8") as f:
+      f.write(json.dumps(record) + "\n")
+    acc = " ".join(f"{a:.3f}" for a in record.get("acc", []))
+    text = (f"[{record['split']}] step {record['step']}: loss {record['loss']:.4f} "
+            f"acc {acc} accept_len {record['accept_len']:.3f}")
+    if "grad_norm" in record:
+      text += f" grad_norm {record['grad_norm']:.3f} lr {record['lr']:.2e}"
+    if "tokens_per_s" in record:
+      text += f" tok/s {record['tokens_per_s']:.0f}"
+    if self.bar is not None:
+      self.bar.write(text)
+    else:
+      print(text, flush=True)
+
+
+# ------------------------------------------------------------------- train
+
+
+@dataclasses.dataclass
+class TrainResult:
+  """What ``train`` returns: the final head, its state and the logged records."""
+
+  head: DartHead
+  state: dict
+  history: list
+  export_dir: str | None
+  start_step: int
+
+
+def _load_target(config: TrainConfig):
+  path = config.target.path
+  if path == REQUIRED:
+    raise ConfigError("this preset needs the target model: set target.path=/path/to/hf_dir")
+  dtype = None if config.target.dtype == "auto" else _DTYPES[config.target.dtype]
+  return dj.load_target(path, dtype=dtype)
+
+
+def _make_head(config: TrainConfig, target, rows: data_lib.Rows) -> DartHead:
+  hc = config.head
+  if hc.init_from:
+    head = dj.load_dart(hc.init_from, target)
+    log.info("continuing from the head in %s", hc.init_from)
+    return head
+  vocab = target.config.vocab_size
+  vd = hc.draft_vocab_size if 0 < hc.draft_vocab_size < vocab else vocab
+  head = DartHead.init(target, draft_length=hc.draft_length, draft_vocab_size=vd,
+                       seed=config.seed, double_norm=hc.double_norm)
+  if vd < vocab:
+    head = head.with_draft_vocab(data_lib.select_draft_vocab(rows, vocab, vd))
+  return head
+
+
+def _checkpoint_manager(workdir: str, keep: int) -> ocp.CheckpointManager:
+  options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+  return ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")),
+                               options=options)
+
+
+def train(config: TrainConfig, workdir: str, *,
+          step_callback: Callable[[int, dict], None] | None = None) -> TrainResult:
+  """Trains (or resumes training) a DART head; see the module docstring.
+
+  step_callback(step, metrics) runs after every step (tests use it to stop a
+  run mid-way as a crash would).
+  """
+  os.makedirs(workdir, exist_ok=True)
+  is_main = jax.process_index() == 0
+  mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+  batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  if config.batch_size % batch_shards:
+    raise ConfigError(f"batch_size={config.batch_size} must be a multiple of the "
+                      f"data x fsdp mesh size {batch_shards}")
+  target = _load_target(config)
+  prepared = data_lib.prepare_data(
+      config.data, target.tokenizer,
+      os.path.join(workdir, "data_cache") if config.data.cache else None,
+      write_cache=is_main)
+  head = _make_head(config, target, prepared.train)
+  head.check_target(target)
+  if is_main:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      json.dump(to_dict(config), f, indent=2)
+    s = prepared.stats
+    log.info("data: %d records (%d malformed, %d truncated), %d train rows, %d eval rows, "
+             "%d target tokens", s.records, s.malformed, s.truncated, len(prepared.train),
+             0 if prepared.eval is None else len(prepared.eval), s.target_tokens)
+
+  settings = StepSettings(
+      head_config=head.config, num_anchors=config.loss.num_anchors,
+      level_decay=config.loss.level_decay, param_dtype=config.param_dtype
+      if config.param_dtype != "auto" else "float32", compute_dtype=config.compute_dtype,
+      attn_impl=config.attn_impl, optim=config.optim, steps=config.steps)
+  iterator = data_lib.BatchIterator(
+      prepared.train, config.batch_size, config.data.shuffle_seed,
+      process_index=jax.process_index(), process_count=jax.process_count())
+  local_rows = config.batch_size // jax.process_count()
+  evals = []
+  if prepared.eval is not None:
+    for b in data_lib.eval_batches(prepared.eval, config.batch_size, config.eval_batches):
+      lo = jax.process_index() * local_rows
+      evals.append({k: v[lo:lo + local_rows] for k, v in b.items()})
+
+  history: list = []
+  manager = _checkpoint_manager(workdir, config.keep_checkpoints)
+  with jax.set_mesh(mesh):
+    target_params = place_target(target, mesh)
+    state = place_state(init_state(head, settings, config.seed), settings, mesh)
+    start = manager.latest_step()
+    if start is not None:
+      abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+      try:
+        restored = manager.restore(start, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
+      except Exception as e:  # Orbax raises several types for a mismatched tree.
+        raise CheckpointError(
+            f"cannot restore the checkpoint of step {start} in "
+            f"{os.path.join(workdir, 'checkpoints')}: {e}; was it written with another "
+            "config (draft_length, draft_vocab_size, optimizer)? Use a new --workdir") from e
+      state = restored["state"]
+      iterator.set_state(restored["data"])
+      if is_main:
+        log.info("resumed from step %d", start)
+    start = int(start or 0)
+
+    from tqdm import tqdm
+    bar = tqdm(total=config.steps, initial=start, unit="step", dynamic_ncols=True,
+               disable=not (config.progress and is_main))
+    logger = MetricsLog(workdir, is_main, bar if config.progress else None)
+    eval_key = jax.random.PRNGKey(config.seed + 1)
+
+    def run_eval(step: int) -> None:
+      if not evals:
+        return
+      total = None
+      for b in evals:
+        stats = eval_step(state["params"], state["buffers"], target_params,
+                          sharding.global_batch(b, mesh), eval_key, settings=settings,
+                          target_graphdef=target.graphdef)
+        total = stats if total is None else jax.tree.map(jnp.add, total, stats)
+      record = {"split": "eval", "step": step,
+                **losses.summarize(jax.device_get(total), config.loss.level_decay)}
+      history.append(record)
+      logger.write(record)
+
+    running = None
+    running_loss = 0.0
+    n_running = 0
+    t_last = time.perf_counter()
+    tokens = 0
+    try:
+      for step in range(start, config.steps):
+        batch = sharding.global_batch(next(iterator), mesh)
+        state, metrics = train_step(state, target_params, batch, settings=settings,
+                                    target_graphdef=target.graphdef)
+        running = (metrics["stats"] if running is None
+                   else jax.tree.map(jnp.add, running, metrics["stats"]))
+        running_loss = running_loss + metrics["loss"]
+        tokens = tokens + metrics["tokens"]
+        n_running += 1
+        done = step + 1
+        if done % config.log_every == 0 or done == config.steps:
+          host = jax.device_get({"m": metrics, "running": running, "loss": running_loss,
+                                 "tokens": tokens})
+          now = time.perf_counter()
+          record = {"split": "train", "step": done,
+                    **losses.summarize(host["running"], config.loss.level_decay),
+                    "loss": float(host["loss"]) / n_running,
+                    "grad_norm": float(host["m"]["grad_norm"]),
+                    "lr": float(host["m"]["lr"]),
+                    "tokens_per_s": float(host["tokens"]) / max(now - t_last, 1e-9),
+                    "time": time.time()}
+          history.append(record)
+          logger.write(record)
+          bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['acc'][0]:.3f}")
+          running, running_loss, n_running, tokens, t_last = None, 0.0, 0, 0, now
+        if done % config.checkpoint_every == 0 or done == config.steps:
+          manager.save(done, args=ocp.args.Composite(
+              state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(iterator.get_state())))
+        if done % config.eval_every == 0 or done == config.steps:
+          run_eval(done)
+        bar.update(1)
+        if step_callback is not None:
+          step_callback(done, metrics)
+    finally:
+      manager.wait_until_finished()
+      manager.close()
+      bar.close()
+
+  final = head_from_state(head.config, state)
+  export_dir = None
+  if is_main:
+    export_dir = config.export_dir or os.path.join(workdir, "export")
+    dj.save_dart(final, export_dir)
+    log.info("exported the head to %s", export_dir)
+  return TrainResult(final, state, history, export_dir, start)
