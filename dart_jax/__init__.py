@@ -21,3 +21,7 @@ __all__ = [
     "generate", "generate_stream", "load_dart", "load_target", "ngram", "save_dart",
     "tree",
 ]
+
+from dart_jax.draft.dflash import DFlashDrafter, load_dflash, load_domino, save_dflash
+
+__all__ += ["DFlashDrafter", "load_dflash", "load_domino", "save_dflash"]

@@ -4,3 +4,10 @@ from dart_jax.draft.dart_head import (DartConfig, DartHead, DartHeadModule, load
                                       save_dart)
 
 __all__ = ["DartConfig", "DartHead", "DartHeadModule", "load_dart", "save_dart"]
+
+from dart_jax.draft.dflash import (DFlashConfig, DFlashDrafter, DFlashModule,
+                                   default_target_layer_ids, load_dflash, load_domino,
+                                   save_dflash)
+
+__all__ += ["DFlashConfig", "DFlashDrafter", "DFlashModule", "default_target_layer_ids",
+            "load_dflash", "load_domino", "save_dflash"]

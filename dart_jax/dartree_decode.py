@@ -1,0 +1,205 @@
+"""DARTree speculative decoding (and its baselines): one compiled function per round.
+
+Round (spec dartree.md sections 3-4), all on device:
+  tree from last round's backbone output (``dartree_build``, vmapped) ->
+  one target pass over ``[root] + tree`` with the ancestor mask, tapping the
+  drafter's target layer outputs -> sample-and-match acceptance -> target KV
+  compaction -> the taps of the accepted path (root included) become new
+  drafter context (written at the drafter cache length, which advances by the
+  number of new tokens) -> one backbone pass on ``[new root, MASK...]`` gives
+  the next round's base logits (its block K/V are scratch, dropped).
+
+Methods (``generate(..., draft=drafter, tree=...)``): "dartree" (pruned,
+default), "dartree-fixed", "ddtree", "chain" (Domino chain for a Domino
+drafter, DFlash chain otherwise), "dflash-chain", "domino-chain". Tree shape:
+``tree_config=DARTreeConfig(topk=64, supertree_width=12, budget=64,
+depth_bonus=-0.2)`` or the same names as keyword arguments.
+"""
+
+import dataclasses
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dart_jax.draft.dflash import DFlashDrafter, draft_block
+from dart_jax.errors import InputError
+from dart_jax.generate import prefill
+from dart_jax.models import layers
+from dart_jax.models.target import Target
+from dart_jax.models.transformer import KVCache
+from dart_jax.sampling import SamplingConfig
+from dart_jax.tree.dartree import (CORRECTED_METHODS, DARTreeConfig, dartree_build,
+                                   num_tree_nodes, resolve_method)
+from dart_jax.verify import accept_tree
+
+
+@flax.struct.dataclass
+class DARTreeState:
+  """Device state between rounds.
+
+  cache: target KV cache (committed tokens; the root is not in it).
+  draft_cache: drafter context K/V by real position (same lengths as cache).
+  root: [B] the last emitted token (next round's tree root).
+  base_logits: [B, D, V] float32 backbone logits for the next round.
+  hidden: [B, D, H] normed backbone outputs of slots 1..B-1 (Domino's ``hid``).
+  """
+
+  cache: KVCache
+  draft_cache: KVCache
+  root: jax.Array
+  base_logits: jax.Array
+  hidden: jax.Array
+
+
+def _draft(target_model, drafter, taps, advance, root, draft_cache, attend_len,
+           attn_impl):
+  """New context rows + one backbone pass -> (base_logits, hidden, draft_cache).
+
+  taps: [B, C, n*Ht] at positions ``draft_cache.lengths + i``; the first
+  ``advance[b]`` rows are real and committed.
+  """
+  draft_cache = drafter.write_context(taps, draft_cache)
+  draft_cache = draft_cache.replace(lengths=draft_cache.lengths + advance)
+  return draft_block(target_model, drafter, root, draft_cache, attend_len=attend_len,
+                     attn_impl=attn_impl)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("target_graphdef", "drafter_graphdef", "sampling",
+                              "attn_impl"),
+    donate_argnames=("cache", "draft_cache"))
+def dartree_prefill(target_graphdef, target_params, drafter_graphdef, drafter_params,
+                    cache, draft_cache, tokens, prompt_lens, key, *, sampling, attn_impl):
+  """Prefills target and drafter; returns (first tokens [B], DARTreeState)."""
+  drafter = nnx.merge(drafter_graphdef, drafter_params)
+  first, cache, taps = prefill(target_graphdef, target_params, cache, tokens, prompt_lens,
+                               key, sampling=sampling, taps=drafter.config.taps,
+                               attn_impl=attn_impl)
+  target_model = nnx.merge(target_graphdef, target_params)
+  base_logits, hidden, draft_cache = _draft(
+      target_model, drafter, taps, prompt_lens.astype(jnp.int32), first, draft_cache,
+      None, attn_impl)
+  return first, DARTreeState(cache, draft_cache, first, base_logits, hidden)
+
+
+def build_trees(drafter, embed_table, state: DARTreeState, *, method: str,
+                tree_config: DARTreeConfig):
+  """Batched tree construction from the state -> a batched ``Tree``."""
+  build = functools.partial(dartree_build, config=tree_config, method=method)
+  if method not in CORRECTED_METHODS:
+    return jax.vmap(lambda lg, r: build(lg, r, None))(state.base_logits, state.root)
+  head = drafter.correction_head(embed_table, state.hidden)  # z: [B, D, E]
+  return jax.vmap(lambda lg, r, z: build(lg, r, head.replace(z=z)))(
+      state.base_logits, state.root, head.z)
+
+
+def _round(target_graphdef, target_params, drafter_graphdef, drafter_params, state,
+           active, key, *, method, tree_config, sampling, attend_len, attn_impl):
+  target_model = nnx.merge(target_graphdef, target_params)
+  drafter = nnx.merge(drafter_graphdef, drafter_params)
+  c = drafter.config
+  tree = build_trees(drafter, target_model.embed_tokens.embedding[...], state,
+                     method=method, tree_config=tree_config)
+  cache = state.cache
+  out = target_model(tree.tokens, cache.lengths[:, None] + tree.depth, cache, tree.mask,
+                     attend_len=attend_len, taps=c.taps, attn_impl=attn_impl)
+  acc = accept_tree(tree.tokens, tree.parents, tree.depth, tree.num_nodes, out.logits,
+                    key, sampling, max_depth=c.num_depths)
+  advance = acc.num_new * active.astype(jnp.int32)
+  cache = out.cache.compact(acc.path, advance)
+  root = jnp.take_along_axis(acc.new_tokens, (acc.num_new - 1)[:, None], axis=1)[:, 0]
+  path_taps = layers.gather_rows(out.taps, acc.path)  # [B, D+1, n*Ht], root first
+  # The drafter's block reads up to D+1 rows past the committed length.
+  draft_attend = min(attend_len + c.block_size, state.draft_cache.capacity)
+  base_logits, hidden, draft_cache = _draft(target_model, drafter, path_taps, advance,
+                                            root, state.draft_cache, draft_attend,
+                                            attn_impl)
+  return (DARTreeState(cache, draft_cache, root, base_logits, hidden), acc.new_tokens,
+          acc.num_new)
+
+
+dartree_round = jax.jit(
+    _round,
+    static_argnames=("target_graphdef", "drafter_graphdef", "method", "tree_config",
+                     "sampling", "attend_len", "attn_impl"),
+    donate_argnames=("state",))
+
+
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(DARTreeConfig))
+
+
+class DARTreeDecoder:
+  """``generate``'s decoder for ``draft=DFlashDrafter``.
+
+  Args:
+    target: the target model.
+    drafter: a DFlash drafter (with the Domino head for the corrected methods).
+    sampling: target sampling configuration.
+    seed: RNG seed.
+    ngram: must be None (DARTree uses no N-gram model).
+    tree: method name ("dartree", "dartree-fixed", "ddtree", "chain",
+      "dflash-chain", "domino-chain") or a ``DARTreeConfig`` (method "dartree").
+    tree_config: a ``DARTreeConfig``; its fields may also be given as keyword
+      arguments (``topk``, ``supertree_width``, ``budget``, ``depth_bonus``).
+  """
+
+  def __init__(self, target: Target, drafter: DFlashDrafter, *, sampling: SamplingConfig,
+               seed: int = 0, ngram=None, tree="dartree",
+               tree_config: DARTreeConfig | None = None, **overrides):
+    if ngram is not None:
+      raise InputError("DARTree methods use no N-gram model; drop ngram=...")
+    unknown = sorted(set(overrides) - set(_CONFIG_FIELDS))
+    if unknown:
+      raise InputError(f"unknown DARTree option(s) {unknown}; options: tree, "
+                       f"tree_config, {', '.join(_CONFIG_FIELDS)}")
+    if isinstance(tree, DARTreeConfig):
+      tree_config, tree = tree, "dartree"
+    if tree is None:
+      tree = "dartree"
+    if not isinstance(tree, str):
+      raise InputError(f"tree={tree!r}: pass a DARTree method name or a DARTreeConfig")
+    if tree_config is not None and not isinstance(tree_config, DARTreeConfig):
+      raise InputError(f"tree_config must be a DARTreeConfig, got "
+                       f"{type(tree_config).__name__}")
+    drafter.check_target(target)
+    self.target, self.drafter = target, drafter
+    self.method = resolve_method(tree, drafter.domino)
+    self.tree_config = dataclasses.replace(tree_config or DARTreeConfig(), **overrides)
+    self.sampling = sampling
+    c = drafter.config
+    self.num_nodes = num_tree_nodes(self.method, self.tree_config, c.num_depths,
+                                    c.vocab_size)
+    self.scratch_rows = self.num_nodes + 1
+    self.key = jax.random.PRNGKey(seed)
+
+  def _next_key(self):
+    self.key, sub = jax.random.split(self.key)
+    return sub
+
+  def start(self, tokens, prompt_lens, capacity, key=None):
+    t, d = self.target, self.drafter
+    c = d.config
+    if capacity < tokens.shape[1] + self.scratch_rows:
+      raise InputError(f"a tree of {self.num_nodes} nodes does not fit a cache of "
+                       f"{capacity} rows after a {tokens.shape[1]}-token prompt; raise "
+                       "max_length or use a smaller budget")
+    batch = tokens.shape[0]
+    cache = t.new_cache(batch, capacity)
+    # Context rows (up to D+1 per round) and the block's B scratch rows go past
+    # the committed length.
+    draft_cache = KVCache.create(c.num_layers, batch, capacity + 2 * c.block_size,
+                                 c.num_kv_heads, c.head_dim, t.dtype)
+    first, state = dartree_prefill(
+        t.graphdef, t.params, d.graphdef, d.params, cache, draft_cache, tokens,
+        prompt_lens, self._next_key(), sampling=self.sampling, attn_impl=t.attn_impl)
+    return state, first
+
+  def step(self, state, active, attend_len):
+    t, d = self.target, self.drafter
+    return dartree_round(
+        t.graphdef, t.params, d.graphdef, d.params, state, active, self._next_key(),
+        method=self.method, tree_config=self.tree_config, sampling=self.sampling,
+        attend_len=attend_len, attn_impl=t.attn_impl)

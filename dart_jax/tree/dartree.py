@@ -1,0 +1,350 @@
+"""DARTree tree builders and their baselines (spec dartree.md section 3).
+
+All builders take one round's drafter output for ONE sequence (vmap them over
+the batch) and return the same padded ``Tree`` the verifier consumes:
+
+- ``dartree`` (pruned, default): a fixed-width supertree, ``supertree_width``
+  pairs kept per depth, then the global best ``budget`` nodes by
+  ``path + depth_bonus * depth``.
+- ``dartree-fixed``: per depth the best ``quota = ceil(remaining budget /
+  remaining depths)`` pairs; every built node is verified.
+- ``ddtree``: best-first over the UNcorrected marginals. Marginals do not
+  depend on the path, so the best-first tree of ``budget`` nodes equals the
+  global best ``budget`` nodes by path score, which a beam of width ``budget``
+  per depth contains: the same machinery with width = budget, no correction,
+  no depth bonus.
+- ``dflash-chain``: the argmax of each depth's base logits.
+- ``domino-chain``: sequential greedy decoding with the correction head over
+  the full vocabulary (Domino's own drafting).
+
+One depth of the tree methods is ONE batched call over the frontier: the
+corrected logits of every (parent, candidate) pair, a log-softmax over the K
+candidates, path scores, one top-k over the [F*K] pairs, and a batched GRU
+advance of the kept pairs. Shapes are static (they follow from the config, D
+and V only).
+
+Tie-breaking (the numpy reference uses the same rules): candidates of a depth
+by logit descending, then lower token id; pairs of a depth by path score
+descending, then lower flat index ``parent_rank * K + candidate_rank``; the
+final cut by key descending, then lower record index (records are stored depth
+by depth, rank order within a depth). A child's key never exceeds its parent's
+(log-probs <= 0, depth_bonus <= 0) and its record index is larger, so the
+kept set is prefix-closed even under ties. Nodes are in BFS order: by depth,
+then by rank within the depth. Children of a node carry distinct tokens (the
+K candidates of a depth are distinct), as ``accept_tree`` requires.
+"""
+
+import dataclasses
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from dart_jax.errors import ConfigError, InputError
+from dart_jax.tree.dart_search import exact_top_k
+from dart_jax.tree.structure import Tree, build_tree
+
+TREE_METHODS = ("dartree", "dartree-fixed", "ddtree", "dflash-chain", "domino-chain")
+CORRECTED_METHODS = ("dartree", "dartree-fixed", "domino-chain")
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class DARTreeConfig:
+  """Tree-shape settings of the DARTree methods (defaults = the paper's).
+
+  Hashable and static, so it can be a static jit argument. The block size
+  (depths D = B-1) comes from the drafter.
+
+  Attributes:
+    topk: K, candidates per depth (top-K of the base logits; capped at V).
+    supertree_width: pairs kept per depth by the pruned variant.
+    budget: B_tree, draft nodes verified per round (root excluded); also the
+      DDTree node budget and the fixed variant's total.
+    depth_bonus: added per depth to the pruned variant's final ranking key;
+      must be <= 0 (keeps the selection prefix-closed).
+  """
+
+  topk: int = 64
+  supertree_width: int = 12
+  budget: int = 64
+  depth_bonus: float = -0.2
+
+  def __post_init__(self):
+    for name in ("topk", "supertree_width", "budget"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"DARTreeConfig.{name} must be an int >= 1, got {value!r}")
+    if not isinstance(self.depth_bonus, (int, float)) or not self.depth_bonus <= 0:
+      raise ConfigError(f"DARTreeConfig.depth_bonus must be <= 0 (a positive bonus "
+                        f"would rank children above their parents and break prefix "
+                        f"closure), got {self.depth_bonus!r}")
+
+
+@flax.struct.dataclass
+class CorrectionHead:
+  """The Domino head as float32 arrays, for one sequence or a batch.
+
+  z: [..., D, E] ``W_z hid`` of each depth row (computed once per round);
+  w_state: [G, E] ``W_s``; w_out: [E, V] (``W2`` transposed); w_input: [H, 3G]
+  and w_hidden: [G, 3G] the GRU kernels (gates r, z, n); embed: [V, H] the
+  target's embedding; num_uncorrected: depth rows < this use the base logits.
+  """
+
+  z: jax.Array
+  w_state: jax.Array
+  w_out: jax.Array
+  w_input: jax.Array
+  w_hidden: jax.Array
+  embed: jax.Array
+  num_uncorrected: int = flax.struct.field(pytree_node=False, default=0)
+
+  @property
+  def state_size(self) -> int:
+    return self.w_hidden.shape[0]
+
+  def gru(self, tokens: jax.Array, state: jax.Array) -> jax.Array:
+    """GRU step on the embeddings of ``tokens [F]``; state [F, G] -> [F, G]."""
+    x = jnp.take(self.embed, tokens, axis=0).astype(jnp.float32)
+    gi, gh = x @ self.w_input, state @ self.w_hidden
+    g = self.state_size
+    reset = jax.nn.sigmoid(gi[..., :g] + gh[..., :g])
+    update = jax.nn.sigmoid(gi[..., g:2 * g] + gh[..., g:2 * g])
+    candidate = jnp.tanh(gi[..., 2 * g:] + reset * gh[..., 2 * g:])
+    return (1.0 - update) * candidate + update * state
+
+  def root_state(self, root: jax.Array) -> jax.Array:
+    """``s_0 = GRU(embed(root), 0)``: root [] -> [G]."""
+    return self.gru(root[None], jnp.zeros((1, self.state_size), jnp.float32))[0]
+
+  def bias(self, z: jax.Array, state: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Correction of ``tokens [K]`` under each state [F, G] -> [F, K]:
+    ``W2[x] . SiLU(z + W_s s)`` with ``z [E]`` the depth's ``W_z hid`` row."""
+    hidden = jax.nn.silu(z + state @ self.w_state)  # [F, E]
+    return hidden @ jnp.take(self.w_out, tokens, axis=1)
+
+  def full_bias(self, row: int, state: jax.Array) -> jax.Array:
+    """The correction over the whole vocabulary: state [G] -> [V]."""
+    return jax.nn.silu(self.z[row] + state @ self.w_state) @ self.w_out
+
+
+def resolve_method(tree: str, has_head: bool) -> str:
+  """Checks a method name; "chain" means the Domino chain with a head, else DFlash's."""
+  if tree == "chain":
+    return "domino-chain" if has_head else "dflash-chain"
+  if tree not in TREE_METHODS:
+    raise ConfigError(f"unknown DARTree method tree={tree!r}; choose one of "
+                      f"{', '.join(('chain',) + TREE_METHODS)}")
+  if tree in CORRECTED_METHODS and not has_head:
+    raise ConfigError(f"tree={tree!r} needs the Domino correction head, but this "
+                      "drafter is plain DFlash; use 'ddtree' or 'chain', or load a "
+                      "Domino drafter")
+  return tree
+
+
+def level_widths(method: str, config: DARTreeConfig, num_depths: int,
+                 vocab: int) -> tuple[int, ...]:
+  """Nodes kept at each depth (static), for the tree methods."""
+  k = min(config.topk, vocab)
+  widths, frontier, remaining = [], 1, config.budget
+  for d in range(num_depths):
+    available = frontier * k
+    if method == "dartree-fixed":
+      width = min(math.ceil(remaining / (num_depths - d)), available)
+      remaining -= width
+    elif method == "dartree":
+      width = min(config.supertree_width, available)
+    elif method == "ddtree":
+      width = min(config.budget, available)
+    else:
+      raise ConfigError(f"level_widths: {method!r} is not a tree method")
+    if width < 1:
+      break  # The fixed budget is spent: no deeper levels.
+    widths.append(width)
+    frontier = width
+  return tuple(widths)
+
+
+def num_tree_nodes(method: str, config: DARTreeConfig, num_depths: int, vocab: int) -> int:
+  """N, the draft nodes of every tree a method builds (static)."""
+  if method in ("dflash-chain", "domino-chain"):
+    return num_depths
+  total = sum(level_widths(method, config, num_depths, vocab))
+  return total if method == "dartree-fixed" else min(config.budget, total)
+
+
+def _check_inputs(base_logits: jax.Array, head: CorrectionHead | None, method: str):
+  if base_logits.ndim != 2:
+    raise InputError(f"base_logits must be [D, V] (vmap over the batch), got shape "
+                     f"{base_logits.shape}")
+  if method in CORRECTED_METHODS:
+    if head is None:
+      raise InputError(f"method {method!r} needs a CorrectionHead")
+    if head.z.shape[-2] != base_logits.shape[0]:
+      raise InputError(f"CorrectionHead.z has {head.z.shape[-2]} depth rows, "
+                       f"base_logits {base_logits.shape[0]}")
+
+
+def _expand(cand_tokens, cand_logits, z, depth, path, state, head, width):
+  """One depth: score every (frontier node, candidate) pair, keep the best ``width``.
+
+  cand_tokens, cand_logits: [K] this depth's candidates; z: [E] or None;
+  depth: 0-based depth row (may be traced); path: [F]; state: [F, G] or None.
+  Returns (tokens [W], parent rank [W], path [W], state of the kept [W, G]).
+  """
+  k = cand_tokens.shape[0]
+  logits = jnp.broadcast_to(cand_logits[None, :], (path.shape[0], k))
+  if head is not None:
+    bias = head.bias(z, state, cand_tokens)
+    logits = logits + jnp.where(depth >= head.num_uncorrected, bias, 0.0)
+  log_probs = jax.nn.log_softmax(logits, axis=-1)
+  top, flat = lax.top_k((path[:, None] + log_probs).reshape(-1), width)
+  parent, cand = flat // k, flat % k
+  tokens = cand_tokens[cand]
+  if head is not None:
+    state = head.gru(tokens, state[parent])
+  return tokens, parent, top, state
+
+
+def _segments(widths: tuple[int, ...]) -> list[tuple[int, int]]:
+  """Splits depths into (start, stop) runs; a run of depths whose frontier keeps
+  the same width is one ``lax.scan`` (compile time does not grow with D)."""
+  segments, d = [], 0
+  while d < len(widths):
+    stop = d + 1
+    if d > 0:
+      while stop < len(widths) and widths[stop] == widths[d] == widths[d - 1]:
+        stop += 1
+    segments.append((d, stop))
+    d = stop
+  return segments
+
+
+def _grow(cand_tokens: jax.Array, cand_logits: jax.Array, root: jax.Array,
+          head: CorrectionHead | None, widths: tuple[int, ...]):
+  """Depth-by-depth expansion; returns per-record (tokens, parent, depth, path).
+
+  Records are stored depth by depth in rank order; ``parent`` is a node index
+  in that numbering with the root as 0 and record r as r+1.
+  """
+  path = jnp.zeros((1,), jnp.float32)
+  state = head.root_state(root)[None] if head is not None else None
+  z = head.z if head is not None else jnp.zeros((len(widths), 0), jnp.float32)
+  tokens, parents, paths = [], [], []
+  for start, stop in _segments(widths):
+    if stop - start == 1:
+      tok, par, path, state = _expand(cand_tokens[start], cand_logits[start],
+                                      z[start], start, path, state, head, widths[start])
+      tokens.append(tok)
+      parents.append(par[None])
+      paths.append(path)
+      continue
+
+    def body(carry, xs, width=widths[start]):
+      path, state = carry
+      tok, par, path, state = _expand(*xs, path, state, head, width)
+      return (path, state), (tok, par, path)
+
+    xs = (cand_tokens[start:stop], cand_logits[start:stop], z[start:stop],
+          jnp.arange(start, stop))
+    (path, state), (tok, par, run_paths) = lax.scan(body, (path, state), xs)
+    tokens.append(tok.reshape(-1))
+    parents.append(par)
+    paths.append(run_paths.reshape(-1))
+  # Parent ranks -> node indices: depth d's frontier starts at node
+  # 1 + sum(widths[:d-1]) (the root is node 0).
+  starts = [0] + [1 + sum(widths[:d - 1]) for d in range(1, len(widths))]
+  parents = jnp.concatenate(
+      [(p + jnp.asarray(starts[i:i + p.shape[0]], jnp.int32)[:, None]).reshape(-1)
+       for i, p in zip([s for s, _ in _segments(widths)], parents)])
+  depths = jnp.concatenate([jnp.full((w,), d + 1, jnp.int32) for d, w in enumerate(widths)])
+  return (jnp.concatenate(tokens), parents.astype(jnp.int32), depths,
+          jnp.concatenate(paths))
+
+
+def _tree(root, tokens, parents, depths, paths, num_depths) -> Tree:
+  n = tokens.shape[0]
+  return build_tree(
+      tokens=jnp.concatenate([root[None].astype(jnp.int32), tokens.astype(jnp.int32)]),
+      parents=jnp.concatenate([jnp.full((1,), -1, jnp.int32), parents]),
+      depth=jnp.concatenate([jnp.zeros((1,), jnp.int32), depths]),
+      scores=jnp.concatenate([jnp.zeros((1,), jnp.float32), paths]),
+      num_nodes=jnp.asarray(n, jnp.int32), max_depth=num_depths)
+
+
+def _select(tokens, parents, depths, paths, keep: int, depth_bonus: float):
+  """Global best ``keep`` records by ``path + depth_bonus * depth``, in BFS order."""
+  records = tokens.shape[0]
+  key = paths + jnp.float32(depth_bonus) * depths.astype(jnp.float32)
+  _, chosen = lax.top_k(key, keep)
+  chosen = jnp.sort(chosen)  # records are depth-major: index order is BFS order
+  new_index = jnp.zeros((records + 1,), jnp.int32).at[chosen + 1].set(
+      jnp.arange(1, keep + 1, dtype=jnp.int32))
+  return (tokens[chosen], new_index[parents[chosen]], depths[chosen], paths[chosen])
+
+
+def dartree_build(base_logits: jax.Array, root: jax.Array,
+                  head: CorrectionHead | None = None,
+                  config: DARTreeConfig = DARTreeConfig(), *,
+                  method: str = "dartree") -> Tree:
+  """Builds one round's draft tree for one sequence.
+
+  Args:
+    base_logits: [D, V] the backbone's logits; row d-1 is depth d.
+    root: int32 [] the root token (last committed token).
+    head: the Domino correction head with ``z [D, E]`` (unused by "ddtree" and
+      "dflash-chain").
+    config: tree-shape settings.
+    method: one of ``TREE_METHODS``.
+  Returns:
+    A ``Tree`` with N = ``num_tree_nodes(method, config, D, V)`` nodes (all
+    valid), max depth D.
+  """
+  _check_inputs(base_logits, head, method)
+  num_depths, vocab = base_logits.shape
+  base_logits = base_logits.astype(jnp.float32)
+  root = jnp.asarray(root, jnp.int32)
+  if method == "dflash-chain":
+    return _dflash_chain(base_logits, root)
+  if method == "domino-chain":
+    return _domino_chain(base_logits, root, head)
+  widths = level_widths(method, config, num_depths, vocab)
+  cand_logits, cand_tokens = exact_top_k(base_logits, min(config.topk, vocab))
+  records = _grow(cand_tokens, cand_logits, root,
+                  head if method in CORRECTED_METHODS else None, widths)
+  if method != "dartree-fixed":
+    keep = num_tree_nodes(method, config, num_depths, vocab)
+    bonus = config.depth_bonus if method == "dartree" else 0.0
+    records = _select(*records, keep, bonus)
+  return _tree(root, *records, num_depths)
+
+
+def _chain(root, tokens, log_probs, num_depths) -> Tree:
+  index = jnp.arange(num_depths, dtype=jnp.int32)
+  return _tree(root, tokens, index, index + 1, jnp.cumsum(log_probs), num_depths)
+
+
+def _dflash_chain(base_logits: jax.Array, root: jax.Array) -> Tree:
+  tokens = jnp.argmax(base_logits, axis=-1).astype(jnp.int32)
+  log_probs = jnp.take_along_axis(jax.nn.log_softmax(base_logits, axis=-1),
+                                  tokens[:, None], axis=1)[:, 0]
+  return _chain(root, tokens, log_probs, base_logits.shape[0])
+
+
+def _domino_chain(base_logits: jax.Array, root: jax.Array, head: CorrectionHead) -> Tree:
+  """Domino's sequential drafting: argmax of the corrected logits, GRU advance."""
+  state = head.root_state(root)
+  tokens, log_probs = [], []
+  num_depths = base_logits.shape[0]
+  for d in range(num_depths):
+    logits = base_logits[d]
+    if d >= head.num_uncorrected:
+      logits = logits + head.full_bias(d, state)
+    token = jnp.argmax(logits).astype(jnp.int32)
+    log_probs.append(jax.nn.log_softmax(logits)[token])
+    tokens.append(token)
+    if d + 1 < num_depths:
+      state = head.gru(token[None], state[None])[0]
+  return _chain(root, jnp.stack(tokens), jnp.stack(log_probs), num_depths)

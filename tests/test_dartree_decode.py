@@ -1,0 +1,244 @@
+"""DARTree decoding and its baselines are lossless; the round keeps the drafter's
+context right.
+
+Compile time dominates (it grows with the number of layers): the tiny targets
+have 2 layers, the drafters 1; every test uses batch 4, capacity 256 and
+attend_len 64 (what ``generate`` picks for these prompts), so each (method,
+target) round compiles once. The DFlash chain runs on the Domino drafter's
+backbone ("dflash-chain"); a plain DFlash drafter ("chain") on Llama only.
+"""
+
+import dataclasses
+import itertools
+
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import dart_jax as dj
+from dart_jax.dartree_decode import DARTreeDecoder
+from dart_jax.models import ModelConfig, Target
+from dart_jax.ngram import NGram
+from dart_jax.sampling import SamplingConfig, processed_log_probs
+from dart_jax.tree import DARTreeConfig
+from tests.test_dflash import shape_only_target
+from tests.test_speculative import SMOLLM2_PROMPTS, TARGETS, _chi_square_p
+
+TARGETS_2L = {arch: dataclasses.replace(config, num_layers=2)
+              for arch, config in TARGETS.items()}
+TREE = DARTreeConfig(topk=4, supertree_width=3, budget=8)
+# "chain" on the Domino drafter is the Domino chain.
+DOMINO_METHODS = ("dartree", "dartree-fixed", "ddtree", "chain", "dflash-chain")
+BLOCK = 4  # D = 3 draft depths
+
+
+def _prompts(rng, n, vocab):
+  return [rng.integers(0, vocab, rng.integers(1, 12)).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="module", params=sorted(TARGETS_2L))
+def tiny(request):
+  target = Target.init(TARGETS_2L[request.param], seed=2)
+  domino = dj.DFlashDrafter.init(target, block_size=BLOCK, num_layers=1, domino=True,
+                                 seed=4)
+  dflash = dj.DFlashDrafter.init(target, block_size=BLOCK, num_layers=1, seed=5)
+  return target, domino, dflash
+
+
+def _runs(target, domino, dflash):
+  runs = [(domino, m) for m in DOMINO_METHODS]
+  return runs + [(dflash, "chain")] if target.config.arch == "llama" else runs
+
+
+def test_greedy_equals_ar_for_every_method(tiny):
+  """Batch of 4 ragged prompts, token for token vs AR, every method."""
+  target, domino, dflash = tiny
+  prompts = _prompts(np.random.default_rng(0), 4, 97)
+  ar = dj.generate(target, prompts, max_new_tokens=20, eos_token_ids=()).tokens
+  for drafter, method in _runs(target, domino, dflash):
+    out = dj.generate(target, prompts, max_new_tokens=20, draft=drafter, tree=method,
+                      tree_config=TREE, eos_token_ids=())
+    assert out.tokens == ar, (method, drafter.domino)
+  # (Random drafters rarely guess right; the oracle test below runs full
+  # acceptance through every method.)
+
+
+def _start(decoder, prompts, capacity=256):
+  tokens = np.zeros((len(prompts), 32), np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, :len(p)] = p
+  lens = jnp.asarray([len(p) for p in prompts], jnp.int32)
+  return decoder.start(jnp.asarray(tokens), lens, capacity)
+
+
+def _oracle(state, full, depths):
+  """Base logits whose top token at depth d is the target's token at root + d."""
+  root_pos = np.asarray(state.cache.lengths)
+  oracle = np.full(state.base_logits.shape, -10.0, np.float32)
+  for b in range(oracle.shape[0]):
+    for d in range(1, depths + 1):
+      oracle[b, d - 1, full[b][root_pos[b] + d]] = 10.0
+  return state.replace(base_logits=jnp.asarray(oracle))
+
+
+def test_drafter_context_after_rounds_equals_a_fresh_prefill(tiny):
+  """After rounds with long accepted paths (oracle drafts) and short ones (the
+  random drafter's own), the drafter's state (context from the accepted nodes'
+  taps, block K/V dropped) gives the same base logits as prefilling the whole
+  committed sequence from scratch."""
+  target, domino, _ = tiny
+  prompts = _prompts(np.random.default_rng(1), 4, 97)
+  ar = dj.generate(target, prompts, max_new_tokens=20, eos_token_ids=()).tokens
+  full = [p + a for p, a in zip(prompts, ar)]
+  decoder = DARTreeDecoder(target, domino, sampling=SamplingConfig(), tree="dartree",
+                           tree_config=TREE)
+  state, first = _start(decoder, prompts)
+  emitted = [[int(f)] for f in np.asarray(first)]
+  for use_oracle in (True, False, True, False):
+    if use_oracle:
+      state = _oracle(state, full, BLOCK - 1)
+    state, new, num = decoder.step(state, jnp.ones(4, bool), 64)
+    if use_oracle:
+      np.testing.assert_array_equal(np.asarray(num), [BLOCK] * 4)
+    for b in range(4):
+      emitted[b] += np.asarray(new[b, :int(num[b])]).tolist()
+  committed = [p + e[:-1] for p, e in zip(prompts, emitted)]  # the root is not cached
+  assert all(c == f[:len(c)] for c, f in zip(committed, full))
+  np.testing.assert_array_equal(np.asarray(state.cache.lengths),
+                                [len(c) for c in committed])
+  np.testing.assert_array_equal(np.asarray(state.draft_cache.lengths),
+                                [len(c) for c in committed])
+  fresh, root = _start(decoder, committed)
+  np.testing.assert_array_equal(np.asarray(root), [e[-1] for e in emitted])
+  np.testing.assert_array_equal(np.asarray(state.root), np.asarray(root))
+  np.testing.assert_allclose(np.asarray(state.base_logits), np.asarray(fresh.base_logits),
+                             atol=2e-4, rtol=1e-4)
+  np.testing.assert_allclose(np.asarray(state.hidden), np.asarray(fresh.hidden),
+                             atol=2e-5, rtol=1e-4)
+
+
+def test_oracle_drafts_reach_maximum_acceptance(tiny):
+  """With base logits forced to the target's future, every method accepts all
+  D depths plus the bonus token every round (and emits the right tokens)."""
+  target, domino, dflash = tiny
+  prompts = _prompts(np.random.default_rng(2), 4, 97)
+  ar = dj.generate(target, prompts, max_new_tokens=40, eos_token_ids=()).tokens
+  full = [p + a for p, a in zip(prompts, ar)]
+  depths = BLOCK - 1
+  for drafter, method in _runs(target, domino, dflash):
+    decoder = DARTreeDecoder(target, drafter, sampling=SamplingConfig(), tree=method,
+                             tree_config=TREE)
+    state, _ = _start(decoder, prompts)
+    for _ in range(4):
+      root_pos = np.asarray(state.cache.lengths)
+      state = _oracle(state, full, depths)
+      state, new, num = decoder.step(state, jnp.ones(4, bool), 64)
+      np.testing.assert_array_equal(np.asarray(num), [BLOCK] * 4, err_msg=method)
+      for b in range(4):
+        start = root_pos[b] + 1
+        assert np.asarray(new[b]).tolist() == full[b][start:start + BLOCK], method
+
+
+def exact_first_tokens(target, prompt, sampling, n=3):
+  """The target's exact distribution of its first n sampled tokens [V**n]
+  (one jitted cache-free pass over every continuation)."""
+  vocab = target.config.vocab_size
+  seqs = np.array(list(itertools.product(range(vocab), repeat=n)), np.int32)
+  full = np.concatenate([np.tile(prompt, (len(seqs), 1)), seqs], 1)
+
+  @jax.jit
+  def log_probs(params, tokens):
+    length = tokens.shape[1]
+    col = jnp.arange(length)
+    mask = jnp.broadcast_to(col[None, :] <= col[:, None], (tokens.shape[0], length, length))
+    out = nnx.merge(target.graphdef, params)(tokens, jnp.broadcast_to(col, tokens.shape),
+                                             None, mask)
+    return processed_log_probs(out.logits, sampling)
+
+  logp = np.asarray(log_probs(target.params, jnp.asarray(full)), np.float64)
+  p0 = len(prompt) - 1
+  total = sum(logp[np.arange(len(seqs)), p0 + j, seqs[:, j]] for j in range(n))
+  return np.exp(total)
+
+
+def test_sampling_matches_target_distribution():
+  """First 3 sampled tokens of DARTree (pruned, Domino drafter) match the
+  target's exact distribution (20000 samples, chi-square and marginal total
+  variation; test_speculative shows these statistics detect a 2% bias)."""
+  vocab, temperature, top_p = 6, 0.8, 0.9
+  config = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=16, intermediate_size=32,
+                       num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8)
+  target = Target.init(config, seed=7)
+  target = target.with_params(jax.tree.map(lambda x: x * 3.0 if x.ndim == 2 else x,
+                                           target.params))
+  drafter = dj.DFlashDrafter.init(target, block_size=3, domino=True, emb_dim=8,
+                                  gru_hidden_dim=8, seed=1)
+  prompt = [1, 4, 2]
+  exact = exact_first_tokens(target, prompt, SamplingConfig(temperature, top_p))
+  n_batch, n_calls = 5000, 4
+  counts = np.zeros(vocab ** 3)
+  accept = []
+  for seed in range(n_calls):
+    out = dj.generate(target, [prompt] * n_batch, max_new_tokens=3, temperature=temperature,
+                      top_p=top_p, seed=seed, eos_token_ids=(), draft=drafter,
+                      tree="dartree", tree_config=DARTreeConfig(topk=3, supertree_width=3,
+                                                                budget=6))
+    codes = np.array([(t[0] * vocab + t[1]) * vocab + t[2] for t in out.tokens])
+    counts += np.bincount(codes, minlength=vocab ** 3)
+    accept.append(out.stats.mean_accept_len)
+  assert np.mean(accept) > 1.3  # trees were accepted, so acceptance mattered
+  total = n_batch * n_calls
+  p_value = _chi_square_p(counts, exact)
+  joint, want = counts.reshape((vocab,) * 3) / total, exact.reshape((vocab,) * 3)
+  tvs = [0.5 * np.abs(joint.sum(axis=tuple(a for a in range(3) if a != k)) -
+                      want.sum(axis=tuple(a for a in range(3) if a != k))).sum()
+         for k in range(3)]
+  print(f"dartree: chi-square p={p_value:.3f}, marginal TVs {np.round(tvs, 4)}, "
+        f"acceptance {np.mean(accept):.2f}")
+  assert p_value > 1e-3, p_value
+  assert max(tvs) < 0.02, tvs
+
+
+def test_bad_arguments_give_clear_errors(tiny):
+  target, domino, dflash = tiny
+  with pytest.raises(dj.ConfigError, match="unknown DARTree method"):
+    dj.generate(target, [1, 2], draft=domino, tree="beam")
+  with pytest.raises(dj.ConfigError, match="needs the Domino correction head"):
+    dj.generate(target, [1, 2], draft=dflash, tree="dartree")
+  with pytest.raises(dj.ConfigError, match="depth_bonus must be <= 0"):
+    dj.generate(target, [1, 2], draft=domino, depth_bonus=0.5)
+  with pytest.raises(dj.InputError, match="unknown DARTree option"):
+    dj.generate(target, [1, 2], draft=domino, beam_width=3)
+  with pytest.raises(dj.InputError, match="N-gram"):
+    dj.generate(target, [1, 2], draft=domino, ngram=NGram.build([[1, 2, 3]]))
+  with pytest.raises(dj.InputError, match="does not fit"):
+    dj.generate(target, [1] * 250, draft=domino, tree_config=TREE, max_new_tokens=4)
+  other = shape_only_target(ModelConfig(arch="llama", vocab_size=50, hidden_size=32,
+                                        intermediate_size=64, num_layers=4, num_heads=4,
+                                        num_kv_heads=2, head_dim=8))
+  with pytest.raises(dj.ConfigError, match="vocab 97 vs target 50"):
+    dj.generate(other, [1, 2], draft=domino)
+  # Option plumbing (no compile): a config as tree=, keyword overrides.
+  greedy = SamplingConfig()
+  decoder = domino.make_decoder(target, sampling=greedy, tree=TREE)
+  assert (decoder.method, decoder.tree_config, decoder.scratch_rows) == ("dartree", TREE, 9)
+  decoder = domino.make_decoder(target, sampling=greedy, tree="dartree-fixed", budget=5,
+                                topk=2)
+  assert decoder.tree_config == DARTreeConfig(topk=2, budget=5) and decoder.num_nodes == 5
+  assert dflash.make_decoder(target, sampling=greedy, tree="chain").method == "dflash-chain"
+  assert domino.make_decoder(target, sampling=greedy, tree="chain").num_nodes == BLOCK - 1
+
+
+def test_smollm2_random_domino_greedy_equals_ar(smollm2):
+  """The embedded SmolLM2 with a random Domino drafter, 4 chat prompts (the
+  first batch of test_speculative's SmolLM2 test, so AR compiles are shared)."""
+  drafter = dj.DFlashDrafter.init(smollm2, block_size=4, num_layers=1, domino=True,
+                                  seed=0)
+  batch = SMOLLM2_PROMPTS[:4]
+  ar = dj.generate(smollm2, batch, max_new_tokens=12)
+  sp = dj.generate(smollm2, batch, max_new_tokens=12, draft=drafter, tree="dartree",
+                   tree_config=DARTreeConfig(topk=4, supertree_width=3, budget=8))
+  assert sp.tokens == ar.tokens
