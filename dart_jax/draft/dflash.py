@@ -33,7 +33,6 @@ There is no embedding and no lm_head: both are the target's.
 import dataclasses
 import math
 import os
-import re
 from typing import Any
 
 import jax
@@ -41,8 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dart_jax.errors import CheckpointError, ConfigError
-from dart_jax.models import layers
+from dart_jax.errors import ConfigError
+from dart_jax.models import checkpoint, layers
 from dart_jax.models.config import RopeScaling, rope_from_hf, rope_inv_freq
 from dart_jax.models.transformer import Attention, KVCache
 from dart_jax.tree.dartree import CorrectionHead
@@ -498,12 +497,8 @@ _RELEASED_NAME_RULES = (
 )
 
 
-def released_name(path: str) -> str:
-  """NNX state path (``layers/0/mlp/up_proj/kernel``) -> released tensor name."""
-  for pattern, repl in _RELEASED_NAME_RULES:
-    if re.fullmatch(pattern, path):
-      return re.sub(pattern, repl, path)
-  raise KeyError(f"no released name for drafter parameter path {path!r}")
+# NNX state path (``layers/0/mlp/up_proj/kernel``) -> released tensor name.
+released_name = checkpoint.renamer(_RELEASED_NAME_RULES)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -592,13 +587,8 @@ def save_dflash(drafter: DFlashDrafter, path: str | os.PathLike) -> None:
   linear weights [out, in], GRU weights in torch layout)."""
   from dart_jax.io import write_safetensors_dir
 
-  tensors = {}
-  for p, var in nnx.to_flat_state(drafter.params):
-    key = "/".join(str(x) for x in p)
-    array = np.asarray(var[...], dtype=np.float32)
-    if array.ndim == 2:  # kernels [in, out] -> torch [out, in]
-      array = array.T
-    tensors[released_name(key)] = np.ascontiguousarray(array)
+  tensors = checkpoint.tensors_from_state(drafter.params, released_name)
+  tensors = {k: v.astype(np.float32) for k, v in tensors.items()}
   write_safetensors_dir(path, drafter.config.to_hf(), tensors)
 
 
@@ -629,27 +619,7 @@ def load_domino(path: str | os.PathLike, target, *, dtype=None) -> DFlashDrafter
 
 
 def _from_tensors(config: DFlashConfig, tensors: dict, dtype, source: str) -> DFlashDrafter:
-  abstract = nnx.eval_shape(lambda: DFlashModule(config, rngs=nnx.Rngs(0),
-                                                 param_dtype=dtype))
-  graphdef, state = nnx.split(abstract)
-  leaves, missing = [], []
-  for p, var in nnx.to_flat_state(state):
-    key = "/".join(str(x) for x in p)
-    name = released_name(key)
-    if name not in tensors:
-      missing.append(name)
-      continue
-    array = np.asarray(tensors[name])
-    if array.ndim == 2:
-      array = array.T
-    if array.shape != tuple(var.shape):
-      shown = array.shape[::-1] if array.ndim == 2 else array.shape
-      expected = tuple(var.shape)[::-1] if array.ndim == 2 else tuple(var.shape)
-      raise CheckpointError(f"{source}: tensor {name} has shape {shown}, the config "
-                            f"expects {expected}; config.json and the weights disagree")
-    leaves.append((p, var.replace(jnp.asarray(array, dtype=var.dtype))))
-  if missing:
-    raise CheckpointError(f"{source}: missing {len(missing)} tensor(s), e.g. "
-                          f"{missing[:3]}; is this a DFlash / Domino drafter matching "
-                          "its config.json?")
-  return DFlashDrafter(config, graphdef, nnx.from_flat_state(leaves))
+  graphdef, params = checkpoint.state_from_tensors(
+      lambda: DFlashModule(config, rngs=nnx.Rngs(0), param_dtype=dtype), tensors,
+      released_name, source=os.fspath(source), what="DFlash / Domino drafter")
+  return DFlashDrafter(config, graphdef, params)
