@@ -273,15 +273,20 @@ def _coerce(value: Any, kind: Any, key: str) -> Any:
   return value
 
 
+def _check_known(name: str, key: str, types_: Mapping[str, Any]) -> None:
+  """Raises ConfigError for a config key that does not exist (with a suggestion)."""
+  if name not in types_:
+    raise ConfigError(f"unknown config key {key!r}{_suggest(name, list(types_))}; "
+                      f"valid keys here: {', '.join(sorted(types_))}")
+
+
 def _replace_nested(obj: Any, updates: Mapping[str, Any], prefix: str = "") -> Any:
   """``dataclasses.replace`` for nested sections; values may be dicts for sections."""
   types_ = _field_types(type(obj))
   changes = {}
   for name, value in updates.items():
     key = prefix + name
-    if name not in types_:
-      raise ConfigError(f"unknown config key {key!r}{_suggest(name, list(types_))}; "
-                        f"valid keys here: {', '.join(sorted(types_))}")
+    _check_known(name, key, types_)
     kind = types_[name]
     current = getattr(obj, name)
     if dataclasses.is_dataclass(current):
@@ -317,9 +322,7 @@ def _resolve_strings(tree: dict, config: TrainConfig) -> dict:
     out = {}
     for name, value in updates.items():
       key = prefix + name
-      if name not in types_:
-        raise ConfigError(f"unknown config key {key!r}{_suggest(name, list(types_))}; "
-                          f"valid keys here: {', '.join(sorted(types_))}")
+      _check_known(name, key, types_)
       current = getattr(obj, name)
       if isinstance(value, dict):
         if not dataclasses.is_dataclass(current):
