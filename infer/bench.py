@@ -4,11 +4,27 @@
       --max-new-tokens 128 --temperature 0,1 --draft /path/to/dart --json out.json \\
       [--plot out.png] [--model PATH] [--ngram small.trie] [--tree-budget N|auto] \\
       [--profile]
+  python -m infer.bench --method ar,dart,dflash-chain,domino-chain,ddtree,dartree-fixed,dartree \\
+      --draft /path/to/dart --domino /path/to/domino [--dflash /path/to/dflash] \\
+      [--dartree-budget 64 --dartree-width 12 --dartree-topk 64 --dartree-depth-bonus -0.2]
 
 Methods:
   ar    plain autoregressive decoding with ``dart_jax.generate`` (the reference).
   dart  DART speculative decoding (``--draft`` head directory, or ``random`` for a
         randomly initialised head of ``--draft-length`` D: timing only).
+  dflash-chain, ddtree
+        DFlash drafting from the backbone's UNcorrected marginals: the argmax
+        chain, and the best-first tree of ``--dartree-budget`` nodes. Drafter:
+        ``--dflash`` (a DFlash directory); without it the ``--domino`` drafter's
+        DFlash backbone serves (its correction head is not used by these two).
+  domino-chain, dartree-fixed, dartree
+        The Domino correction head on the same backbone: Domino's sequential
+        chain, and DARTree's batched trees (fixed quota per depth / pruned
+        supertree, ``--dartree-*`` options). Drafter: ``--domino``.
+        ``--drafter random`` instead makes one randomly initialised Domino
+        drafter (``--drafter-*`` size options) that serves all five methods
+        (timing and smoke runs only: random drafts are almost never accepted).
+        The method names are ``dart_jax.generate``'s ``tree=`` names.
   hf    transformers (torch, CPU) ``generate`` of the same model, when torch and
         transformers are importable (skipped with a message otherwise; the
         project itself never needs torch). torch runs ``--hf-threads`` threads
@@ -21,11 +37,11 @@ continues from the AR greedy turn-1 answer for every method) and HumanEval
 (``--limit`` problems). The target's chat template is applied.
 
 Protocol, per dataset and temperature: every prompt runs every method in one
-process, in alternating order (``ar, dart`` for even prompts, ``dart, ar`` for odd
-ones) with the same seed, so slow drift of a shared machine cancels. JAX compiles
-per shape; a run during which JAX compiled a decoding function (anything but the
-prefill) is discarded and repeated, so compile time never counts. HF gets one
-untimed warm-up call.
+process, in alternating order (as given, e.g. ``ar, dart, dartree``, for even
+prompts, reversed for odd ones) with the same seed, so slow drift of a shared
+machine cancels. JAX compiles per shape; a run during which JAX compiled a
+decoding function (anything but the prefill) is discarded and repeated, so
+compile time never counts. HF gets one untimed warm-up call.
 
 Timing: decode time = a call's wall time after its first token (prefill excluded),
 decode tokens = new tokens - 1; tokens/s is reported both as total decode tokens /
@@ -34,8 +50,9 @@ AR seconds per decode token / the method's, per prompt (median) and over all
 prompts (aggregate). Acceptance length = tokens emitted per round (bonus token
 included), aggregated over rounds.
 
-Greedy check: at temperature 0 every ``dart`` output must equal AR's token for
-token; mismatches are printed loudly and the exit status is 3. (HF's matches are
+Greedy check: at temperature 0 every speculative method's output (``dart`` and
+the five DARTree methods, all lossless) must equal AR's token for token;
+mismatches are printed loudly and the exit status is 3. (HF's matches are
 reported for information: torch sums floats in another order, so near-ties can
 flip a token.)
 
@@ -43,6 +60,7 @@ flip a token.)
 separately compiled phases (search / verify / accept / draft) and reports mean ms
 per round of each, next to AR's ms per step; these phased runs are not used for
 the speedup (the fused round is slightly faster than the sum of its phases).
+The DARTree decoder has no phased mode, so its methods report no phase split.
 
 Output: a progress bar on stderr, a table on stdout, everything (per-prompt
 records, tokens and text included) in ``--json``, and a bar chart of speedup and
@@ -64,14 +82,23 @@ import jax
 import dart_jax as dj
 from dart_jax.errors import InputError
 from dart_jax.generate import encode_prompts, stop_token_ids
+from dart_jax.tree.dartree import DARTreeConfig, num_tree_nodes
 from infer import datasets
 from infer import tree_budget as tb
 
-METHODS = ("ar", "dart", "hf")
+# DARTree methods (``dart_jax.generate``'s ``tree=`` names), baselines first; the
+# DFlash ones read only the backbone's uncorrected marginals, the Domino ones need
+# the correction head.
+DARTREE_METHODS = ("dflash-chain", "domino-chain", "ddtree", "dartree-fixed", "dartree")
+DFLASH_METHODS = ("dflash-chain", "ddtree")
+DOMINO_METHODS = ("domino-chain", "dartree-fixed", "dartree")
+METHODS = ("ar", "dart") + DARTREE_METHODS + ("hf",)
+# Speculative methods whose greedy output must equal AR's token for token.
+LOSSLESS_METHODS = ("dart",) + DARTREE_METHODS
 PHASES = ("search", "verify", "accept", "draft")
 GREEDY_MISMATCH_EXIT = 3
 MAX_COLD_RETRIES = 2
-_PREFILL_FUNCTIONS = ("prefill", "dart_prefill")
+_PREFILL_FUNCTIONS = ("prefill", "dart_prefill", "dartree_prefill")
 
 
 # ----------------------------------------------------------------------------
@@ -147,13 +174,20 @@ class Sampling:
 
 
 class JaxMethod:
-  """``dart_jax.generate`` with fixed method options (AR when ``draft`` is None)."""
+  """``dart_jax.generate`` with fixed method options (AR when ``draft`` is None).
 
-  def __init__(self, target, *, draft=None, ngram=None, tree=None, profile: bool = False):
+  draft: a DART head (``tree`` a ``TreeConfig``) or a DFlash/Domino drafter
+  (``tree`` a DARTree method name, ``tree_config`` a ``DARTreeConfig``).
+  """
+
+  def __init__(self, target, *, draft=None, ngram=None, tree=None, tree_config=None,
+               profile: bool = False):
     self.target = target
     self.kwargs: dict[str, Any] = {}
     if draft is not None:
       self.kwargs.update(draft=draft, ngram=ngram, tree=tree)
+      if tree_config is not None:
+        self.kwargs["tree_config"] = tree_config
       if profile:
         self.kwargs["profile"] = True
 
@@ -467,9 +501,10 @@ def summarize(rows: list[dict], methods: Sequence[str], temperature: float) -> d
   return summary
 
 
-def greedy_mismatches(runs: list[dict], strict_methods: Sequence[str] = ("dart",)
+def greedy_mismatches(runs: list[dict], strict_methods: Sequence[str] = LOSSLESS_METHODS
                       ) -> list[dict]:
-  """Prompts where a strict method's T=0 output differs from AR's."""
+  """Prompts where a strict (lossless speculative) method's T=0 output differs
+  from AR's. ``hf`` is not strict (torch sums floats in another order)."""
   bad = []
   for run in runs:
     if run["temperature"] > 0:
@@ -498,7 +533,7 @@ def _fmt(value, spec: str = ".2f", none: str = "-") -> str:
 def format_table(runs: list[dict]) -> str:
   """A readable summary table of every (dataset, temperature) run."""
   lines = []
-  head = (f"{'dataset':<10} {'T':>4} {'method':<6} {'prompts':>7} {'tok/s':>8} "
+  head = (f"{'dataset':<10} {'T':>4} {'method':<13} {'prompts':>7} {'tok/s':>8} "
           f"{'tok/s med':>9} {'speedup':>8} {'spd med':>8} {'acc len':>8} {'greedy=AR':>10}")
   lines += [head, "-" * len(head)]
   for run in runs:
@@ -509,19 +544,19 @@ def format_table(runs: list[dict]) -> str:
       match = (f"{m['matches_ar']}/{m['compared']}" if "matches_ar" in m and s["greedy"]
                else "")
       lines.append(
-          f"{run['dataset']:<10} {run['temperature']:>4g} {name:<6} {m['prompts']:>7} "
+          f"{run['dataset']:<10} {run['temperature']:>4g} {name:<13} {m['prompts']:>7} "
           f"{_fmt(m['tokens_per_s'], '.1f'):>8} {_fmt(m['tokens_per_s_median'], '.1f'):>9} "
           f"{_fmt(m.get('speedup_vs_ar'), '.2f') + ('x' if m.get('speedup_vs_ar') else ''):>8} "
           f"{_fmt(m.get('speedup_vs_ar_median'), '.2f'):>8} "
           f"{_fmt(m['mean_accept_len'], '.2f'):>8} {match:>10}")
     if "hf" in s and s["hf"].get("ar_over_hf") is not None:
-      lines.append(f"{'':<16} ours (ar) / hf tokens/s: {s['hf']['ar_over_hf']:.2f}x "
+      lines.append(f"{'':<23} ours (ar) / hf tokens/s: {s['hf']['ar_over_hf']:.2f}x "
                    f"(median per prompt {_fmt(s['hf']['ar_over_hf_median'])}x)")
     prof = s.get("dart_profile")
     if prof:
       ph = prof["phase_ms_per_round"]
       lines.append(
-          f"{'':<16} dart ms/round: search {ph['search']:.1f}, verify {ph['verify']:.1f}, "
+          f"{'':<23} dart ms/round: search {ph['search']:.1f}, verify {ph['verify']:.1f}, "
           f"accept {ph['accept']:.1f}, draft {ph['draft']:.1f} (sum {prof['phased_round_ms']:.1f}); "
           f"ar ms/step {_fmt(prof['ar_ms_per_step'], '.1f')}")
   return "\n".join(lines)
@@ -538,7 +573,8 @@ def write_plot(runs: list[dict], path: str) -> None:
                      "(or pip install -e '.[bench]')") from e
   groups = [f"{r['dataset']}\nT={r['temperature']:g}" for r in runs]
   methods = [m for m in METHODS if any(m in r["summary"] for r in runs)]
-  fig, axes = plt.subplots(1, 2, figsize=(max(6, 2.5 * len(groups) + 3), 4))
+  fig, axes = plt.subplots(
+      1, 2, figsize=(max(7, len(groups) * (1 + 0.4 * len(methods)) + 3), 4.5))
   width = 0.8 / max(len(methods), 1)
   for ax, key, title in ((axes[0], "speedup_vs_ar", "speedup vs AR (aggregate)"),
                          (axes[1], "mean_accept_len", "mean acceptance length")):
@@ -550,12 +586,16 @@ def write_plot(runs: list[dict], path: str) -> None:
         values.append(v or 0.0)
       xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(runs))]
       bars = ax.bar(xs, values, width, label=m)
-      ax.bar_label(bars, fmt="%.2f", fontsize=7)
+      ax.bar_label(bars, fmt="%.2f", fontsize=6, rotation=90 if len(methods) > 4 else 0)
     ax.set_xticks(range(len(runs)), groups)
     ax.set_title(title)
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-  axes[0].legend()
-  fig.tight_layout()
+  # Below the axes: with many methods a legend inside would cover bars.
+  handles, labels = axes[0].get_legend_handles_labels()
+  ncol = min(len(methods), 4)
+  legend_rows = -(-len(methods) // ncol)
+  fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8)
+  fig.tight_layout(rect=(0, 0.07 * legend_rows, 1, 1))
   fig.savefig(path, dpi=120)
   plt.close(fig)
 
@@ -568,13 +608,13 @@ def write_plot(runs: list[dict], path: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
       prog="python -m infer.bench",
-      description="Benchmark DART speculative decoding against plain decoding on "
-                  "MT-Bench and HumanEval (same process, alternating runs).",
-      epilog=f"Exit status {GREEDY_MISMATCH_EXIT} if a greedy DART output differs "
-             "from AR's.", formatter_class=argparse.RawDescriptionHelpFormatter)
+      description="Benchmark DART and DARTree speculative decoding against plain "
+                  "decoding on MT-Bench and HumanEval (same process, alternating runs).",
+      epilog=f"Exit status {GREEDY_MISMATCH_EXIT} if a greedy speculative output "
+             "differs from AR's.", formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--method", default="ar,dart",
-                 help="comma list of ar, dart, hf (default ar,dart); ar is always run "
-                      "as the reference")
+                 help=f"comma list of {', '.join(METHODS)} (default ar,dart); ar is "
+                      "always run as the reference")
   p.add_argument("--dataset", default="mt_bench,humaneval",
                  help="comma list of mt_bench, humaneval (default both)")
   p.add_argument("--limit", type=int, default=10,
@@ -605,6 +645,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="tree search top-k per level (default min(25, budget))")
   p.add_argument("--beam-width", type=int, default=None,
                  help="tree search beam width (default min(20, budget))")
+  add_dartree_args(p)
   p.add_argument("--hf-threads", type=int, default=None,
                  help="torch threads for the hf method (default: the CPU count; on a "
                       "busy machine 1 can be much faster, see the module docstring)")
@@ -623,6 +664,127 @@ def _split(value: str, allowed: Sequence[str] | None, what: str) -> list[str]:
     if bad:
       raise InputError(f"unknown --{what} {bad}; choose from {', '.join(allowed)}")
   return list(dict.fromkeys(items))
+
+
+def add_dartree_args(p: argparse.ArgumentParser) -> None:
+  """Drafter and tree options of the DARTree methods (shared with infer.main)."""
+  g = p.add_argument_group(
+      "DARTree methods", f"drafters and trees of {', '.join(DARTREE_METHODS)}")
+  g.add_argument("--dflash", default=None, metavar="DIR",
+                 help="DFlash drafter directory for dflash-chain and ddtree (default: "
+                      "the --domino drafter's backbone)")
+  g.add_argument("--domino", default=None, metavar="DIR",
+                 help="Domino drafter directory (DFlash backbone + correction head) for "
+                      "domino-chain, dartree-fixed and dartree")
+  g.add_argument("--drafter", default=None, metavar="random",
+                 help="'random': one randomly initialised Domino drafter for every "
+                      "DARTree method, instead of --dflash/--domino (timing only)")
+  g.add_argument("--drafter-block-size", type=int, default=16,
+                 help="block size B of a random drafter (B-1 draft depths; default 16)")
+  g.add_argument("--drafter-layers", type=int, default=1,
+                 help="backbone layers of a random drafter (default 1)")
+  g.add_argument("--drafter-emb-dim", type=int, default=32,
+                 help="correction head width E of a random drafter (default 32)")
+  g.add_argument("--drafter-gru-dim", type=int, default=32,
+                 help="GRU state size G of a random drafter (default 32)")
+  defaults = DARTreeConfig()
+  g.add_argument("--dartree-budget", type=int, default=None,
+                 help=f"draft nodes per round: DARTree's B_tree (the fixed variant's "
+                      f"total), DDTree's node budget (default {defaults.budget})")
+  g.add_argument("--dartree-width", type=int, default=None,
+                 help=f"dartree (pruned): supertree pairs kept per depth (default "
+                      f"{defaults.supertree_width})")
+  g.add_argument("--dartree-topk", type=int, default=None,
+                 help=f"candidates per depth, top-K of the base logits (default "
+                      f"{defaults.topk})")
+  g.add_argument("--dartree-depth-bonus", type=float, default=None,
+                 help=f"dartree (pruned): per-depth bonus of the final ranking, <= 0 "
+                      f"(default {defaults.depth_bonus})")
+
+
+_DARTREE_OPTIONS = (("topk", "dartree_topk"), ("supertree_width", "dartree_width"),
+                    ("budget", "dartree_budget"), ("depth_bonus", "dartree_depth_bonus"))
+
+
+def dartree_options_given(args) -> list[str]:
+  """The ``--dartree-*`` / drafter flags set on the command line."""
+  given = [f"--{dest.replace('_', '-')}" for _, dest in _DARTREE_OPTIONS
+           if getattr(args, dest) is not None]
+  return given + [f"--{name}" for name in ("dflash", "domino", "drafter")
+                  if getattr(args, name) is not None]
+
+
+def dartree_config(args) -> DARTreeConfig:
+  """``DARTreeConfig`` from the ``--dartree-*`` flags (ConfigError if invalid)."""
+  given = {field: getattr(args, dest) for field, dest in _DARTREE_OPTIONS
+           if getattr(args, dest) is not None}
+  return DARTreeConfig(**given)
+
+
+def check_drafter_args(args, methods: Sequence[str]) -> None:
+  """Raises InputError if the DARTree methods among ``methods`` lack a drafter
+  (or get conflicting ones); loads nothing, so it can run before the target."""
+  if args.drafter not in (None, "random"):
+    raise InputError(f"--drafter takes only 'random' (a random drafter), got "
+                     f"{args.drafter!r}; pass drafter directories with --dflash DIR / "
+                     "--domino DIR")
+  wanted = [m for m in methods if m in DARTREE_METHODS]
+  if not wanted:
+    return
+  if args.drafter is not None and (args.dflash or args.domino):
+    raise InputError("--drafter random replaces --dflash/--domino; pass one or the other")
+  if args.drafter == "random":
+    if args.drafter_block_size < 2:
+      raise InputError(f"--drafter-block-size must be >= 2 (the root plus at least one "
+                       f"draft depth), got {args.drafter_block_size}")
+    for flag in ("drafter_layers", "drafter_emb_dim", "drafter_gru_dim"):
+      if getattr(args, flag) < 1:
+        raise InputError(f"--{flag.replace('_', '-')} must be >= 1, got "
+                         f"{getattr(args, flag)}")
+    return
+  need_domino = [m for m in wanted if m in DOMINO_METHODS]
+  if need_domino and not args.domino:
+    plain = (f"; --dflash {args.dflash} gives only the DFlash backbone" if args.dflash
+             else "")
+    raise InputError(f"--method {','.join(need_domino)} needs a Domino drafter (DFlash "
+                     f"backbone + correction head): pass --domino DIR, or --drafter "
+                     f"random for a random one (timing only){plain}")
+  if not (args.dflash or args.domino):
+    raise InputError(f"--method {','.join(wanted)} needs a drafter: --dflash DIR (a "
+                     "DFlash drafter), --domino DIR (its DFlash backbone serves), or "
+                     "--drafter random (timing only)")
+
+
+def load_drafters(args, target, methods: Sequence[str]) -> dict[str, tuple[Any, str]]:
+  """The drafter serving each DARTree method in ``methods``: name -> (drafter, source).
+
+  dflash-chain and ddtree use ``--dflash``, else the ``--domino`` drafter (they read
+  only its backbone's uncorrected marginals); the other three need ``--domino``.
+  ``--drafter random`` makes one random Domino drafter for all of them. Raises
+  InputError for missing / conflicting drafter flags (``check_drafter_args``),
+  CheckpointError / ConfigError for bad directories and drafters made for another
+  target (hidden size, vocabulary or layer count).
+  """
+  check_drafter_args(args, methods)
+  wanted = [m for m in methods if m in DARTREE_METHODS]
+  if not wanted:
+    return {}
+  if args.drafter == "random":
+    drafter = dj.DFlashDrafter.init(
+        target, block_size=args.drafter_block_size, num_layers=args.drafter_layers,
+        domino=True, emb_dim=args.drafter_emb_dim, gru_hidden_dim=args.drafter_gru_dim,
+        seed=args.seed)
+    return {m: (drafter, "random") for m in wanted}
+  domino = dj.load_domino(args.domino, target) if args.domino else None
+  use_dflash = args.dflash and any(m in DFLASH_METHODS for m in wanted)
+  dflash = dj.load_dflash(args.dflash, target) if use_dflash else None
+  out = {}
+  for m in wanted:
+    if m in DFLASH_METHODS and dflash is not None:
+      out[m] = (dflash, str(args.dflash))
+    else:
+      out[m] = (domino, str(args.domino))
+  return out
 
 
 def _load_head(args, target):
@@ -678,13 +840,25 @@ def run_benchmark(args, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
     methods.insert(0, "ar")  # The reference for speedups and greedy checks.
   if args.profile and "dart" not in methods:
     raise InputError("--profile times DART's phases: add dart to --method")
+  check_drafter_args(args, methods)
+  tree_config = dartree_config(args) if any(m in DARTREE_METHODS for m in methods) else None
 
   target = dj.load_target(args.model)
   if target.tokenizer is None:
     raise InputError(f"the target at {target.source} has no tokenizer; the benchmark "
                      "prompts are chat text")
+  drafters = load_drafters(args, target, methods)
+  dartree_info = None
   runners: dict[str, Any] = {"ar": JaxMethod(target)}
   skipped, tree_info, profiler = [], None, None
+  if drafters:
+    dartree_info = {"config": dataclasses.asdict(tree_config), "methods": {}}
+    for m, (drafter, source) in drafters.items():
+      runners[m] = JaxMethod(target, draft=drafter, tree=m, tree_config=tree_config)
+      c = drafter.config
+      dartree_info["methods"][m] = {
+          "drafter": source, "domino": drafter.domino, "block_size": c.block_size,
+          "nodes": num_tree_nodes(m, tree_config, c.num_depths, c.vocab_size)}
   if "dart" in methods:
     head = _load_head(args, target)
     ngram = dj.ngram.NGram.load_trie(args.ngram) if args.ngram else None
@@ -726,7 +900,8 @@ def run_benchmark(args, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
   config = {k: v for k, v in vars(args).items()}
   config["methods_run"] = list(runners)
   return {"config": config, "environment": _environment(), "tree": tree_info,
-          "skipped": skipped, "runs": runs, "greedy_mismatches": greedy_mismatches(runs)}
+          "dartree": dartree_info, "skipped": skipped, "runs": runs,
+          "greedy_mismatches": greedy_mismatches(runs)}
 
 
 def main(argv=None) -> int:
@@ -748,8 +923,9 @@ def main(argv=None) -> int:
     return 2
   bad = result["greedy_mismatches"]
   if bad:
-    print("\n" + "!" * 72 + f"\nGREEDY MISMATCH: {len(bad)} DART output(s) differ from AR "
-          "at temperature 0 (speculative decoding must be lossless):", file=sys.stderr)
+    print("\n" + "!" * 72 + f"\nGREEDY MISMATCH: {len(bad)} speculative output(s) differ "
+          "from AR at temperature 0 (speculative decoding must be lossless):",
+          file=sys.stderr)
     for b in bad:
       print(f"  {b['dataset']} {b['id']} turn {b['turn']} ({b['method']})", file=sys.stderr)
     print("!" * 72, file=sys.stderr)

@@ -1,25 +1,35 @@
 """Command-line generation: ``python -m infer.main --prompt "..."``.
 
 Streams the answer of the target model (the embedded SmolLM2-135M-Instruct by
-default), plainly or with DART speculative decoding.
+default), plainly or with speculative decoding: DART (``--draft``) or a DARTree
+method (``--method dartree|dartree-fixed|ddtree|dflash-chain|domino-chain`` with
+``--domino`` / ``--dflash`` drafters; see ``infer.bench`` for which drafter
+serves which method). Speculative decoding gives the same output, faster.
 """
 
 import argparse
 import sys
 
 import dart_jax as dj
+from infer import bench
+
+METHODS = ("ar", "dart") + bench.DARTREE_METHODS
 
 
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
       prog="python -m infer.main",
-      description="Generate text with a target model, optionally with DART "
+      description="Generate text with a target model, optionally with DART or DARTree "
                   "speculative decoding (same output, faster).")
   p.add_argument("--prompt", required=True,
                  help="user message (the chat template is applied unless --no-chat)")
   p.add_argument("--model", default=None,
                  help="HF model directory or .gguf file (default: the embedded "
                       "SmolLM2-135M-Instruct)")
+  p.add_argument("--method", "--tree", default=None, choices=METHODS,
+                 help="decoding method (dart_jax.generate's tree= names for DARTree); "
+                      "default: dart with --draft, dartree with --domino or --drafter "
+                      "random, ddtree with only --dflash, else ar")
   p.add_argument("--draft", default=None,
                  help="DART head directory (reference format); enables DART")
   p.add_argument("--ngram", default=None, help="N-gram .trie file for DART's tree search")
@@ -33,22 +43,60 @@ def build_parser() -> argparse.ArgumentParser:
                  help="DART: draft nodes verified per round (remain_total)")
   p.add_argument("--no-chat", action="store_true", help="use the prompt as raw text")
   p.add_argument("--stats", action="store_true", help="print statistics to stderr")
+  bench.add_dartree_args(p)
   return p
+
+
+def choose_method(args) -> str:
+  """The method to run; raises InputError for options that do not fit it."""
+  method = args.method
+  if method is None:
+    if args.draft:
+      method = "dart"
+    elif args.domino or args.drafter:
+      method = "dartree"
+    elif args.dflash:
+      method = "ddtree"
+    else:
+      method = "ar"
+  dart_flags = [f for f, v in (("--draft", args.draft), ("--ngram", args.ngram),
+                               ("--tree-budget", args.tree_budget)) if v]
+  dartree_flags = bench.dartree_options_given(args)
+  if method == "ar":
+    if dart_flags or dartree_flags:
+      raise dj.InputError(f"{', '.join(dart_flags + dartree_flags)}: only for "
+                          "speculative decoding; pass --draft DIR for DART, or --domino "
+                          "DIR / --dflash DIR (and --method) for DARTree")
+  elif method == "dart":
+    if not args.draft:
+      raise dj.InputError("--method dart needs --draft: a DART head directory")
+    if dartree_flags:
+      raise dj.InputError(f"{', '.join(dartree_flags)} are DARTree options; --method "
+                          "dart takes --draft, --ngram and --tree-budget")
+  elif dart_flags:
+    raise dj.InputError(f"{', '.join(dart_flags)} are DART options; --method {method} "
+                        "takes --domino / --dflash / --drafter random and --dartree-*")
+  else:
+    bench.check_drafter_args(args, [method])
+  return method
 
 
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
   try:
+    method = choose_method(args)
+    tree_config = bench.dartree_config(args) if method in bench.DARTREE_METHODS else None
     target = dj.load_target(args.model)
     kwargs = {}
-    if args.draft:
+    if method == "dart":
       kwargs["draft"] = dj.load_dart(args.draft, target)
       if args.ngram:
         kwargs["ngram"] = dj.ngram.NGram.load_trie(args.ngram)
       if args.tree_budget:
         kwargs["tree"] = dj.tree.TreeConfig(remain_total=args.tree_budget)
-    elif args.ngram or args.tree_budget:
-      raise dj.InputError("--ngram and --tree-budget need --draft")
+    elif tree_config is not None:
+      drafter, _ = bench.load_drafters(args, target, [method])[method]
+      kwargs.update(draft=drafter, tree=method, tree_config=tree_config)
     stream = dj.generate_stream(
         target, args.prompt, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -59,7 +107,7 @@ def main(argv=None) -> int:
     sys.stdout.write("\n")
     if args.stats and stats:
       s = stats["stats"]
-      print(f"[{s.new_tokens} tokens, {s.tokens_per_s:.1f} tok/s, "
+      print(f"[{method}: {s.new_tokens} tokens, {s.tokens_per_s:.1f} tok/s, "
             f"{s.mean_accept_len:.2f} tokens/round, "
             f"first token {s.time_to_first_token_s:.2f}s]", file=sys.stderr)
   except dj.DartJaxError as e:

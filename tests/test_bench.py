@@ -3,13 +3,16 @@
 import json
 import math
 import pathlib
+import re
 
 import numpy as np
 import pytest
 
 import dart_jax as dj
+from dart_jax.tree.dartree import CORRECTED_METHODS, TREE_METHODS
 from infer import bench, datasets
 from infer import tree_budget as tb
+from tests.test_dflash import released_dir
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
 # The harness test and the CLI test run the same tiny checkpoint, head, prompt and
@@ -17,6 +20,10 @@ FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
 MAX_NEW_TOKENS = 6
 DRAFT_LENGTH = 2
 TREE_BUDGET = 3
+# DARTree runs: a random Domino drafter with D = 2 draft depths and small trees
+# (test_infer_main runs the same drafter and tree on the same prompt: shared compiles).
+DARTREE_ARGS = ["--drafter", "random", "--drafter-block-size", "3", "--dartree-topk", "2",
+                "--dartree-width", "2", "--dartree-budget", "3"]
 
 
 # ----------------------------------------------------------------------------
@@ -311,3 +318,151 @@ def test_cli_rejects_bad_arguments(capsys):
   assert "unknown --method" in capsys.readouterr().err
   assert bench.main(["--dataset", "gsm8k"]) == 2
   assert "unknown --dataset" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------
+# DARTree methods.
+# ----------------------------------------------------------------------------
+
+
+def test_dartree_method_names_are_generates_tree_names():
+  assert set(bench.DARTREE_METHODS) == set(TREE_METHODS)
+  assert set(bench.DOMINO_METHODS) == set(CORRECTED_METHODS)
+  assert set(bench.LOSSLESS_METHODS) == {"dart"} | set(TREE_METHODS)
+  assert set(bench.METHODS) == {"ar", "hf"} | set(bench.LOSSLESS_METHODS)
+
+
+def test_greedy_mismatches_are_strict_for_every_speculative_method():
+  methods = {m: {"matches_ar": False} for m in bench.LOSSLESS_METHODS + ("hf",)}
+  methods["ar"] = {}
+  row = {"id": "x", "turn": 2, "methods": methods}
+  runs = [{"dataset": "d", "temperature": 0.0, "prompts": [row]},
+          {"dataset": "d", "temperature": 1.0, "prompts": [row]}]
+  bad = bench.greedy_mismatches(runs)
+  assert [b["method"] for b in bad] == list(bench.LOSSLESS_METHODS)  # not hf, not T=1
+  assert bad[0] == {"dataset": "d", "id": "x", "turn": 2, "method": "dart"}
+
+
+def test_cli_runs_every_method_lossless_with_random_drafters(tmp_path, capsys):
+  """tiny_llama, one HumanEval prompt, T=0: AR, DART and the five DARTree methods
+  (one random Domino drafter serves all five) all emit AR's tokens."""
+  out_json = tmp_path / "bench.json"
+  methods = ["ar", "dart", "dflash-chain", "domino-chain", "ddtree", "dartree-fixed",
+             "dartree"]
+  args = ["--method", ",".join(methods), "--dataset", "humaneval", "--limit", "1",
+          "--max-new-tokens", str(MAX_NEW_TOKENS), "--model", str(FIXTURES / "tiny_llama"),
+          "--draft", "random", "--draft-length", str(DRAFT_LENGTH),
+          "--tree-budget", str(TREE_BUDGET), *DARTREE_ARGS,
+          "--json", str(out_json), "--no-progress"]
+  assert bench.main(args) == 0
+  stdout = capsys.readouterr().out
+  result = json.loads(out_json.read_text())
+  assert result["config"]["methods_run"] == methods
+  assert result["greedy_mismatches"] == []
+  dartree = result["dartree"]
+  assert dartree["config"] == {"topk": 2, "supertree_width": 2, "budget": 3,
+                               "depth_bonus": -0.2}
+  assert set(dartree["methods"]) == set(methods[2:])
+  # Chains: D = 2 nodes; trees: the budget of 3 (widths 2, 2 hold 4 >= 3 nodes).
+  assert {m: v["nodes"] for m, v in dartree["methods"].items()} == {
+      "dflash-chain": 2, "domino-chain": 2, "ddtree": 3, "dartree-fixed": 3, "dartree": 3}
+  assert all(v["drafter"] == "random" and v["domino"] and v["block_size"] == 3
+             for v in dartree["methods"].values())
+  (run,) = result["runs"]
+  (row,) = run["prompts"]
+  assert row["order"] == methods
+  ar = row["methods"]["ar"]
+  for m in methods[1:]:
+    rec = row["methods"][m]
+    assert rec["matches_ar"] is True and rec["tokens"] == ar["tokens"], m
+    assert 1.0 <= rec["accept_len"] <= 3.0 and rec["speedup_vs_ar"] > 0, m
+    summary = run["summary"][m]
+    for key in ("tokens_per_s", "tokens_per_s_median", "mean_accept_len",
+                "speedup_vs_ar", "speedup_vs_ar_median", "ms_per_round"):
+      assert summary[key] is not None, (m, key)
+    assert (summary["matches_ar"], summary["compared"]) == (1, 1), m
+    assert f" {m} " in stdout
+
+
+@pytest.fixture(scope="module")
+def drafter_dirs(tmp_path_factory):
+  """Released-format drafter directories (numpy-written, test_dflash's layout):
+  plain DFlash and Domino for tiny_llama, and a Domino drafter made for another
+  target (hidden 32, vocab 97, 4 layers)."""
+  root = tmp_path_factory.mktemp("drafters")
+  rng = np.random.default_rng(0)
+  tiny_llama = dict(hidden=64, heads=4, kv=2, hd=16, inter=64, layers=1, vocab=320,
+                    block=3, ids=(1,), num_target=3, emb=8, gru=8, mask=319)
+  released_dir(root / "dflash", rng, domino=False, **tiny_llama)
+  released_dir(root / "domino", rng, domino=True, **tiny_llama)
+  released_dir(root / "other", rng, domino=True)
+  return {name: str(root / name) for name in ("dflash", "domino", "other")}
+
+
+def _args(*argv):
+  return bench.build_parser().parse_args(list(argv))
+
+
+def test_drafters_serve_their_methods(tiny, drafter_dirs):
+  target, _ = tiny
+  dflash, domino = drafter_dirs["dflash"], drafter_dirs["domino"]
+  everything = ["ar", "dart", *bench.DARTREE_METHODS]
+  # Only --domino: its backbone also serves the DFlash methods.
+  chosen = bench.load_drafters(_args("--domino", domino), target, everything)
+  assert set(chosen) == set(bench.DARTREE_METHODS)
+  assert {source for _, source in chosen.values()} == {domino}
+  assert all(d.domino for d, _ in chosen.values())
+  assert len({id(d) for d, _ in chosen.values()}) == 1  # loaded once
+  # Both: the DFlash drafter serves dflash-chain and ddtree.
+  chosen = bench.load_drafters(_args("--dflash", dflash, "--domino", domino), target,
+                               everything)
+  assert {m: (d.domino, s) for m, (d, s) in chosen.items()} == {
+      "dflash-chain": (False, dflash), "ddtree": (False, dflash),
+      "domino-chain": (True, domino), "dartree-fixed": (True, domino),
+      "dartree": (True, domino)}
+  # Only --dflash, only DFlash methods.
+  chosen = bench.load_drafters(_args("--dflash", dflash), target, ["ar", "ddtree"])
+  assert list(chosen) == ["ddtree"] and not chosen["ddtree"][0].domino
+  # No DARTree method: nothing is loaded, even from a bad path.
+  assert bench.load_drafters(_args("--domino", "/nonexistent"), target, ["ar"]) == {}
+  # A random drafter: one Domino drafter of the requested size for all methods.
+  chosen = bench.load_drafters(_args("--drafter", "random", "--drafter-block-size", "5",
+                                     "--drafter-layers", "2"), target, everything)
+  (drafter,) = {id(d): d for d, _ in chosen.values()}.values()
+  assert drafter.domino and drafter.config.block_size == 5
+  assert drafter.config.num_layers == 2
+
+
+def test_drafter_for_another_target_is_rejected(tiny, drafter_dirs):
+  target, _ = tiny
+  with pytest.raises(dj.ConfigError, match="does not fit this target") as e:
+    bench.load_drafters(_args("--domino", drafter_dirs["other"]), target, ["dartree"])
+  assert "hidden size 32 vs target 64" in str(e.value)
+  assert "vocab 97 vs target 320" in str(e.value)
+  with pytest.raises(dj.ConfigError, match="not 'domino'"):
+    bench.load_drafters(_args("--domino", drafter_dirs["dflash"]), target, ["dartree"])
+  with pytest.raises(dj.CheckpointError, match="nonexistent"):
+    bench.load_drafters(_args("--dflash", "/nonexistent"), target, ["ddtree"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--method", "ar,beam"], "choose from ar, dart, dflash-chain, domino-chain, ddtree, "
+                              "dartree-fixed, dartree, hf"),
+    (["--method", "ar,dartree"], "dartree needs a Domino drafter"),
+    (["--method", "ddtree,dflash-chain"], "ddtree,dflash-chain needs a drafter: --dflash"),
+    (["--method", "ddtree,dartree-fixed", "--dflash", "d"],
+     "dartree-fixed needs a Domino drafter .* --dflash d gives only the DFlash backbone"),
+    (["--method", "dartree", "--drafter", "some/dir"], "--drafter takes only 'random'"),
+    (["--method", "dartree", "--drafter", "random", "--domino", "d"], "replaces"),
+    (["--method", "dartree", "--drafter", "random", "--drafter-block-size", "1"],
+     "block-size must be >= 2"),
+    (["--method", "dartree", "--drafter", "random", "--dartree-depth-bonus", "0.5"],
+     "depth_bonus must be <= 0"),
+    (["--method", "dartree", "--drafter", "random", "--dartree-budget", "0"],
+     "budget must be an int >= 1"),
+])
+def test_cli_rejects_bad_dartree_arguments(argv, message, capsys):
+  # All caught before the target loads (the default model would take seconds).
+  assert bench.main(argv) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: ") and re.search(message, err), err

@@ -30,5 +30,53 @@ def test_cli_help_documents_options(capsys):
   with pytest.raises(SystemExit):
     cli.main(["--help"])
   text = capsys.readouterr().out
-  for flag in ("--model", "--draft", "--ngram", "--temperature", "--top-p", "--top-k"):
+  for flag in ("--model", "--draft", "--ngram", "--temperature", "--top-p", "--top-k",
+               "--method", "--dflash", "--domino", "--drafter", "--dartree-budget"):
     assert flag in text
+
+
+def _humaneval_prompt():
+  """test_bench's DARTree CLI prompt: the same ids, so compiled rounds are shared."""
+  from infer import datasets
+  (message,) = datasets.humaneval_messages(datasets.load_humaneval(1)[0])
+  return message["content"]
+
+
+def test_cli_dartree_method_streams_the_ar_text(capsys):
+  prompt = _humaneval_prompt()
+  assert cli.main(["--prompt", prompt, "--model", TINY, "--max-new-tokens", "6",
+                   "--method", "dartree", "--drafter", "random", "--drafter-block-size",
+                   "3", "--dartree-topk", "2", "--dartree-width", "2",
+                   "--dartree-budget", "3", "--stats"]) == 0
+  out = capsys.readouterr()
+  want = dj.generate(dj.load_target(TINY), prompt, max_new_tokens=6).text
+  assert out.out == want + "\n"
+  assert "[dartree: " in out.err and "tokens/round" in out.err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--method", "dartree"], "needs a Domino drafter"),
+    (["--method", "ddtree"], "needs a drafter: --dflash DIR"),
+    (["--dflash", "d", "--method", "dartree"], "gives only the DFlash backbone"),
+    (["--draft", "h", "--method", "dartree", "--drafter", "random"],
+     "--draft are DART options"),
+    (["--draft", "h", "--domino", "d"], "--domino are DARTree options"),
+    (["--method", "dart"], "needs --draft"),
+    (["--dartree-budget", "4"], "--dartree-budget: only for speculative decoding"),
+    (["--drafter", "random", "--dartree-depth-bonus", "1"], "depth_bonus must be <= 0"),
+])
+def test_cli_rejects_bad_method_options(argv, message, capsys):
+  # Caught before the (default, embedded) target loads.
+  assert cli.main(["--prompt", "Hi", *argv]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: ") and message in err, err
+
+
+def test_cli_unknown_method_lists_the_valid_ones(capsys):
+  with pytest.raises(SystemExit):
+    cli.main(["--prompt", "Hi", "--method", "beam"])
+  err = capsys.readouterr().err
+  assert "invalid choice: 'beam'" in err
+  for name in ("ar", "dart", "dflash-chain", "domino-chain", "ddtree", "dartree-fixed",
+               "dartree"):
+    assert f"'{name}'" in err
