@@ -1,6 +1,7 @@
 """Training configs: presets, JSON files, typed overrides, clear errors."""
 
 import json
+import math
 import os
 
 import pytest
@@ -18,6 +19,30 @@ def test_presets_exist_and_are_consistent():
   assert smol.target.path is None  # the embedded SmolLM2 target
   assert 8192 <= smol.head.draft_vocab_size <= 16384 and smol.head.draft_length in (6, 7)
   assert configs.load_config("qwen3_8b_dart").target.path == configs.REQUIRED
+
+
+def test_dflash_presets_and_config_errors():
+  for name, kind in [("tiny_dflash", "dflash"), ("tiny_domino", "domino"),
+                     ("smollm2_domino", "domino"), ("qwen3_8b_dflash", "dflash"),
+                     ("qwen3_8b_domino", "domino")]:
+    c = configs.load_config(name)
+    assert c.head.kind == kind, name
+  smol = configs.load_config("smollm2_domino")
+  assert smol.target.path is None and smol.dflash.num_layers in (1, 2)
+  assert 6 <= smol.dflash.block_size <= 10
+  qwen = configs.load_config("qwen3_8b_domino")
+  assert qwen.target.path == configs.REQUIRED and qwen.dflash.block_size == 16
+  assert (qwen.dflash.emb_dim, qwen.dflash.gru_hidden_dim) == (256, 1024)
+  c = configs.load_config("tiny", ["head.kind=domino", "dflash.block_size=6",
+                                   "dflash.target_layer_ids=0,2", "loss.position_gamma=inf"])
+  assert c.dflash.target_layer_ids == (0, 2) and math.isinf(c.loss.position_gamma)
+  for override, message in [("head.kind=eagle", "head.kind must be one of"),
+                            ("dflash.block_size=1", "block_size must be >= 2"),
+                            ("loss.domino_anneal=2", "domino_anneal"),
+                            ("dflash.blok_size=8", "did you mean 'block_size'"),
+                            ("head.init_from=/x", "dflash.init_from")]:
+    with pytest.raises(ConfigError, match=message):
+      configs.load_config("tiny_domino", [override])
 
 
 def test_overrides_are_parsed_with_the_field_types():

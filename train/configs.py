@@ -1,9 +1,11 @@
 """Typed training configurations: presets, JSON files and ``key=value`` overrides.
 
 A config is a frozen ``TrainConfig`` made of sections (``target``, ``head``,
-``data``, ``loss``, ``optim``, ``mesh``) plus top-level run settings. Select one
-with ``--config NAME_OR_FILE``: a preset name (``tiny``, ``smollm2_dart``,
-``qwen3_8b_dart``) or a JSON file whose nested keys mirror the dataclasses and
+``dflash``, ``data``, ``loss``, ``optim``, ``mesh``) plus top-level run settings.
+``head.kind`` picks the drafter: "dart" (a DART head, ``head`` section), "dflash"
+or "domino" (a DFlash drafter, with the Domino correction head for "domino";
+``dflash`` section). Select one with ``--config NAME_OR_FILE``: a preset name
+(see ``PRESETS``) or a JSON file whose nested keys mirror the dataclasses and
 may name a preset to start from with ``"base": "tiny"``. Overrides use dotted
 keys: ``optim.learning_rate=1e-3 steps=200 data.train=a.jsonl,b.jsonl``.
 Unknown keys are errors (with the closest valid key suggested).
@@ -25,6 +27,7 @@ SAMPLE_DATA = (os.path.join(SAMPLE_DATA_DIR, "chat_sharegpt.jsonl"),
                os.path.join(SAMPLE_DATA_DIR, "chat_openai.jsonl"))
 TINY_TARGET = os.path.join(SAMPLE_DATA_DIR, "tiny_target")
 REQUIRED = "REQUIRED"  # A path the user must set (no sensible default exists).
+DRAFTER_KINDS = ("dart", "dflash", "domino")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,16 +44,49 @@ class TargetSection:
 
 @dataclasses.dataclass(frozen=True)
 class HeadSection:
-  """The DART head being trained.
+  """Which drafter is trained, and the DART head's shape.
 
+  kind: "dart" (a DART head, the fields below), "dflash" or "domino" (a DFlash
+    drafter without / with the Domino correction head: the ``dflash`` section).
   draft_length: D mask slots (D+1 draft levels).
   draft_vocab_size: Vd; 0 = the whole target vocabulary.
   init_from: a DART head directory to continue from (reference format).
   """
 
+  kind: str = "dart"
   draft_length: int = 6
   draft_vocab_size: int = 16384
   double_norm: bool = True
+  init_from: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashSection:
+  """The DFlash / Domino drafter (``head.kind`` "dflash" / "domino"; spec
+  ``dartree.md`` sections 1-2). Heads and head_dim follow the target.
+
+  block_size: B, the root plus B-1 mask slots (B-1 draft depths).
+  num_layers: drafter layers (Qwen3-style).
+  target_layer_ids: target layers whose outputs form the context feature;
+    empty = DFlash's rule ``round(1 + i*(L-4)/(n-1))`` with n = ``num_taps``.
+  num_taps: taps for that rule; 0 = ``num_layers`` (as DFlash does).
+  intermediate_size: drafter MLP width; 0 = the target's.
+  mask_token_id: the MASK token (embedded with the target's table); -1 = the
+    last vocabulary id.
+  emb_dim, gru_hidden_dim: the Domino head's E and G.
+  init_from: a DFlash / Domino directory (released format) to continue from; its
+    config.json fixes the architecture. A plain DFlash directory with
+    ``head.kind=domino`` gets a fresh Domino head on its backbone.
+  """
+
+  block_size: int = 16
+  num_layers: int = 5
+  target_layer_ids: tuple[int, ...] = ()
+  num_taps: int = 0
+  intermediate_size: int = 0
+  mask_token_id: int = -1
+  emb_dim: int = 256
+  gru_hidden_dim: int = 1024
   init_from: str | None = None
 
 
@@ -78,15 +114,22 @@ class DataSection:
 
 @dataclasses.dataclass(frozen=True)
 class LossSection:
-  """The training objective (``train/losses.py``).
+  """The training objective (``train/losses.py``, ``train/dflash_losses.py``).
 
-  num_anchors: anchors per row, drawn at random among positions with a loss
-    target; 0 = every position is an anchor.
-  level_decay: level k is weighted ``level_decay ** k``.
+  num_anchors: anchors (DFlash: blocks) per row, drawn at random among positions
+    with a loss target; 0 = every position is an anchor.
+  level_decay: DART: level k is weighted ``level_decay ** k``.
+  position_gamma: DFlash / Domino: block slot k (1..B-1) is weighted
+    ``exp(-(k-1)/gamma)``; 0 = by block size (DFlash: 7 for B=16, 5 for 10,
+    4 for 8, else (B-1)/2); ``inf`` = uniform.
+  domino_anneal: Domino: the loss is ``(1-l)*CE(corrected) + l*CE(base)`` with
+    l decayed linearly 1 -> 0 over this fraction of the steps (0: l = 0).
   """
 
   num_anchors: int = 64
   level_decay: float = 0.6
+  position_gamma: float = 0.0
+  domino_anneal: float = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +176,7 @@ class TrainConfig:
 
   target: TargetSection = TargetSection()
   head: HeadSection = HeadSection()
+  dflash: DFlashSection = DFlashSection()
   data: DataSection = DataSection()
   loss: LossSection = LossSection()
   optim: OptimSection = OptimSection()
@@ -162,14 +206,38 @@ class TrainConfig:
                           f"{getattr(self, name)!r}")
     if self.distributed not in ("auto", "on", "off"):
       raise ConfigError(f"distributed must be auto, on or off, got {self.distributed!r}")
-    if self.head.draft_length < 1:
-      raise ConfigError(f"head.draft_length must be >= 1, got {self.head.draft_length}")
+    if self.head.kind not in DRAFTER_KINDS:
+      raise ConfigError(f"head.kind must be one of {', '.join(DRAFTER_KINDS)}, got "
+                        f"{self.head.kind!r}")
     if not 0 <= self.data.eval_fraction < 1:
       raise ConfigError(f"data.eval_fraction must be in [0, 1), got "
                         f"{self.data.eval_fraction}")
-    if self.data.max_len < self.head.draft_length + 3:
+    if self.head.kind == "dart":
+      if self.head.draft_length < 1:
+        raise ConfigError(f"head.draft_length must be >= 1, got {self.head.draft_length}")
+      if self.data.max_len < self.head.draft_length + 3:
+        raise ConfigError(f"data.max_len={self.data.max_len} is too short for "
+                          f"draft_length={self.head.draft_length}")
+      return
+    if self.head.init_from:
+      raise ConfigError(f"head.init_from is for DART heads; a {self.head.kind} drafter "
+                        "continues from dflash.init_from=DIR")
+    d = self.dflash
+    if d.block_size < 2:
+      raise ConfigError(f"dflash.block_size must be >= 2 (the root plus one mask "
+                        f"slot), got {d.block_size}")
+    for name in ("num_layers", "emb_dim", "gru_hidden_dim"):
+      if getattr(d, name) < 1:
+        raise ConfigError(f"dflash.{name} must be >= 1, got {getattr(d, name)}")
+    if self.data.max_len < d.block_size + 1:
       raise ConfigError(f"data.max_len={self.data.max_len} is too short for "
-                        f"draft_length={self.head.draft_length}")
+                        f"dflash.block_size={d.block_size}")
+    if not self.loss.position_gamma >= 0:
+      raise ConfigError(f"loss.position_gamma must be >= 0 (0 = by block size), got "
+                        f"{self.loss.position_gamma}")
+    if not 0 <= self.loss.domino_anneal <= 1:
+      raise ConfigError(f"loss.domino_anneal must be in [0, 1], got "
+                        f"{self.loss.domino_anneal}")
 
 
 PRESETS: dict[str, TrainConfig] = {
@@ -210,6 +278,59 @@ PRESETS: dict[str, TrainConfig] = {
         checkpoint_every=1000,
     ),
 }
+
+
+_TINY = PRESETS["tiny"]
+PRESETS.update({
+    # DFlash / Domino drafters for the bundled tiny target (context = outputs of
+    # target layers 1 and 3; block of 4 = 3 draft depths). About a minute on 2
+    # CPU cores each.
+    "tiny_dflash": dataclasses.replace(
+        _TINY, head=HeadSection(kind="dflash"),
+        dflash=DFlashSection(block_size=4, num_layers=1, target_layer_ids=(1, 3),
+                             intermediate_size=128),
+        loss=LossSection(num_anchors=32),
+        optim=OptimSection(learning_rate=2e-2, warmup_steps=10, end_lr_ratio=0.1,
+                           clip_norm=1.0)),
+    "tiny_domino": dataclasses.replace(
+        _TINY, head=HeadSection(kind="domino"),
+        dflash=DFlashSection(block_size=4, num_layers=1, target_layer_ids=(1, 3),
+                             intermediate_size=128, emb_dim=32, gru_hidden_dim=32),
+        loss=LossSection(num_anchors=32, domino_anneal=0.5),
+        optim=OptimSection(learning_rate=2e-2, warmup_steps=10, end_lr_ratio=0.1,
+                           clip_norm=1.0)),
+    # A Domino drafter for SmolLM2-135M-Instruct (30 layers, hidden 576): two
+    # draft layers reading 5 target layers (1, 8, 14, 20, 27), block of 8.
+    # Regenerate the data with the target first (see smollm2_dart).
+    "smollm2_domino": TrainConfig(
+        target=TargetSection(path=None),
+        head=HeadSection(kind="domino"),
+        dflash=DFlashSection(block_size=8, num_layers=2, num_taps=5, emb_dim=128,
+                             gru_hidden_dim=512),
+        data=DataSection(max_len=1024),
+        loss=LossSection(num_anchors=128, domino_anneal=0.5),
+        optim=OptimSection(learning_rate=6e-4, warmup_steps=500),
+        steps=20000, batch_size=32, eval_every=1000, checkpoint_every=1000,
+    ),
+    # Qwen3-8B (36 layers) on a TPU pod slice, the released drafters' shape: 5
+    # layers reading target layers 1, 9, 17, 25, 33, block of 16. Domino:
+    # E=256, G=1024; dflash.init_from=/path/to/Qwen3-8B-DFlash-b16 trains a
+    # Domino head on a released DFlash backbone.
+    "qwen3_8b_dflash": TrainConfig(
+        target=TargetSection(path=REQUIRED, dtype="bfloat16"),
+        head=HeadSection(kind="dflash"),
+        dflash=DFlashSection(block_size=16, num_layers=5),
+        data=DataSection(max_len=2048),
+        loss=LossSection(num_anchors=64),
+        optim=OptimSection(learning_rate=6e-4, warmup_steps=1000),
+        mesh=MeshSection(data=1, fsdp=-1, tensor=1),
+        steps=40000, batch_size=64, compute_dtype="bfloat16", eval_every=2000,
+        checkpoint_every=1000,
+    ),
+})
+PRESETS["qwen3_8b_domino"] = dataclasses.replace(
+    PRESETS["qwen3_8b_dflash"], head=HeadSection(kind="domino"),
+    dflash=DFlashSection(block_size=16, num_layers=5, emb_dim=256, gru_hidden_dim=1024))
 
 
 def _field_types(cls) -> dict[str, Any]:

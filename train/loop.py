@@ -1,10 +1,15 @@
 """The training loop: jitted train step, evaluation, Orbax checkpoints, export.
 
-State (a pytree, checkpointed whole): the head's trainable parameters and its
-``d2t``/``t2d`` buffers as nested dicts, the Optax state, the step and the RNG
-key (anchor sampling). The data iterator's state is saved next to it as JSON, so
-a restarted run continues with exactly the batches and anchors it would have
-seen. The target is frozen: its parameters are an argument of the step, never
+One loop for every drafter kind (``head.kind``): a DART head (objective in
+``train/losses.py``, exported with ``save_dart``) or a DFlash drafter with or
+without the Domino head (``train/dflash_losses.py``, exported with
+``save_dflash`` in the released format).
+
+State (a pytree, checkpointed whole): the drafter's trainable parameters and
+(DART) its ``d2t``/``t2d`` buffers as nested dicts, the Optax state, the step
+and the RNG key (anchor sampling). The data iterator's state is saved next to
+it as JSON, so a restarted run continues with exactly the batches and anchors
+it would have seen. The target is frozen: its parameters are an argument of the step, never
 differentiated and never saved.
 """
 
@@ -26,8 +31,11 @@ from jax.sharding import PartitionSpec as P
 
 import dart_jax as dj
 from dart_jax.draft.dart_head import Buffer, DartConfig, DartHead, DartHeadModule
+from dart_jax.draft.dflash import (PROJECTOR_DOMINO, DFlashConfig, DFlashDrafter, DFlashModule,
+                                   default_target_layer_ids)
 from dart_jax.errors import CheckpointError, ConfigError
 from train import data as data_lib
+from train import dflash_losses
 from train import losses
 from train import sharding
 from train.configs import REQUIRED, OptimSection, TrainConfig, to_dict
@@ -39,9 +47,14 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 @dataclasses.dataclass(frozen=True)
 class StepSettings:
-  """Everything static about a train step (hashable: one compile per setting)."""
+  """Everything static about a train step (hashable: one compile per setting).
 
-  head_config: DartConfig
+  head_config: a ``DartConfig`` (DART) or ``DFlashConfig`` (DFlash / Domino).
+  position_gamma: DFlash slot weights ``exp(-(k-1)/gamma)`` (resolved, > 0).
+  anneal_steps: Domino's l goes 1 -> 0 over these steps.
+  """
+
+  head_config: DartConfig | DFlashConfig
   num_anchors: int
   level_decay: float
   param_dtype: str
@@ -49,6 +62,19 @@ class StepSettings:
   attn_impl: str
   optim: OptimSection
   steps: int
+  position_gamma: float = 1.0
+  anneal_steps: int = 0
+
+  @property
+  def kind(self) -> str:
+    """"dart", "dflash" or "domino"."""
+    if isinstance(self.head_config, DFlashConfig):
+      return "domino" if self.head_config.domino else "dflash"
+    return "dart"
+
+  def position_weights(self) -> np.ndarray:
+    """DFlash / Domino slot weights [D]."""
+    return dflash_losses.position_weights(self.head_config.num_depths, self.position_gamma)
 
 
 def make_optimizer(optim: OptimSection, steps: int) -> tuple[optax.GradientTransformation,
@@ -85,12 +111,31 @@ def merge_head(config: DartConfig, params: dict, buffers: dict, dtype=None) -> D
   return nnx.merge(graphdef, abs_params, abs_buffers)
 
 
-def head_from_state(config: DartConfig, state: dict) -> DartHead:
-  """The trained head (host arrays) from a train state."""
-  params = jax.device_get(state["params"])
+def split_drafter(drafter: DFlashDrafter, param_dtype) -> tuple[dict, dict]:
+  """A DFlash drafter -> (trainable params, no buffers) as nested dicts."""
+  params = jax.tree.map(lambda x: jnp.asarray(x, param_dtype),
+                        nnx.to_pure_dict(drafter.params))
+  return params, {}
+
+
+def merge_drafter(config: DFlashConfig, params: dict, dtype=None) -> DFlashModule:
+  """Nested dicts -> a ``DFlashModule`` (works on tracers inside jit)."""
+  dtype = dtype or jax.tree.leaves(params)[0].dtype
+  abstract = nnx.eval_shape(lambda: DFlashModule(config, rngs=nnx.Rngs(0), param_dtype=dtype))
+  graphdef, abs_params = nnx.split(abstract)
+  nnx.replace_by_pure_dict(abs_params, params)
+  return nnx.merge(graphdef, abs_params)
+
+
+def head_from_state(config: DartConfig | DFlashConfig, state: dict
+                    ) -> DartHead | DFlashDrafter:
+  """The trained head or drafter (host arrays) from a train state."""
+  params = jax.tree.map(jnp.asarray, jax.device_get(state["params"]))
+  if isinstance(config, DFlashConfig):
+    graphdef, full = nnx.split(merge_drafter(config, params))
+    return DFlashDrafter(config, graphdef, full)
   buffers = jax.device_get(state["buffers"])
-  module = merge_head(config, jax.tree.map(jnp.asarray, params),
-                      jax.tree.map(jnp.asarray, buffers))
+  module = merge_head(config, params, jax.tree.map(jnp.asarray, buffers))
   graphdef, full = nnx.split(module)
   return DartHead(config, graphdef, full)
 
@@ -110,16 +155,23 @@ def state_specs(state: dict, settings: StepSettings, mesh) -> dict:
 
 
 def _forward(settings: StepSettings, target_graphdef, target_params, params, buffers,
-             batch, key):
-  """Loss and per-level stats of one batch (head params differentiable)."""
+             batch, key, step):
+  """Loss and per-level (per-slot) stats of one batch (drafter params differentiable)."""
   c = settings.head_config
   target_model = nnx.merge(target_graphdef, target_params)
+  compute = (jax.tree.leaves(target_params)[0].dtype if settings.compute_dtype == "auto"
+             else _DTYPES[settings.compute_dtype])
+  if settings.kind != "dart":
+    drafter = merge_drafter(c, jax.tree.map(lambda p: p.astype(compute), params), compute)
+    return dflash_losses.forward(
+        drafter, target_model, batch, key, num_anchors=settings.num_anchors,
+        weights=jnp.asarray(settings.position_weights()),
+        lam=dflash_losses.domino_lambda(step, settings.anneal_steps),
+        attn_impl=settings.attn_impl)
   valid = losses.level_targets(batch["loss_mask"], batch["segment_ids"], c.num_levels)
   anchors, weights = losses.choose_anchors(key, valid, settings.num_anchors)
   taps, teacher, next_embeds = losses.target_forward(
       target_model, batch, anchors, c.tap_layers, c.num_levels, attn_impl=settings.attn_impl)
-  compute = (jax.tree.leaves(target_params)[0].dtype if settings.compute_dtype == "auto"
-             else _DTYPES[settings.compute_dtype])
   cast = jax.tree.map(lambda p: p.astype(compute), params)
   head = merge_head(c, cast, buffers, compute)
   draft = losses.draft_logits(head, next_embeds, taps, batch["positions"],
@@ -142,11 +194,12 @@ def _constrain(tree, specs):
 def train_step(state: dict, target_params, batch: dict, *, settings: StepSettings,
                target_graphdef) -> tuple[dict, dict]:
   """One optimizer step. batch: dict of [B, T] arrays (tokens, loss_mask,
-  segment_ids, positions). Returns (new state, metrics with LevelStats sums)."""
+  segment_ids, positions). Returns (new state, metrics with LevelStats /
+  BlockStats sums)."""
   rng, key = jax.random.split(state["rng"])
   grad_fn = jax.value_and_grad(
       lambda p: _forward(settings, target_graphdef, target_params, p, state["buffers"],
-                         batch, key), has_aux=True)
+                         batch, key, state["step"]), has_aux=True)
   (loss, stats), grads = grad_fn(state["params"])
   tx, schedule = make_optimizer(settings.optim, settings.steps)
   updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
@@ -159,21 +212,34 @@ def train_step(state: dict, target_params, batch: dict, *, settings: StepSetting
   metrics = {"loss": loss, "grad_norm": _global_norm(grads),
              "lr": schedule(state["step"]), "stats": stats,
              "tokens": jnp.sum(batch["segment_ids"] > 0)}
+  if settings.kind == "domino":
+    metrics["domino_lambda"] = dflash_losses.domino_lambda(state["step"],
+                                                           settings.anneal_steps)
   return new_state, metrics
 
 
 @functools.partial(jax.jit, static_argnames=("settings", "target_graphdef"))
 def eval_step(params, buffers, target_params, batch, key, *, settings: StepSettings,
-              target_graphdef) -> losses.LevelStats:
-  """Per-level stats of one held-out batch (fixed anchors for a fixed key)."""
-  _, stats = _forward(settings, target_graphdef, target_params, params, buffers, batch, key)
+              target_graphdef):
+  """Per-level (per-slot) stats of one held-out batch (fixed anchors for a fixed key)."""
+  _, stats = _forward(settings, target_graphdef, target_params, params, buffers, batch, key,
+                      jnp.int32(settings.steps))
   return stats
 
 
-def init_state(head: DartHead, settings: StepSettings, seed: int) -> dict:
+def summarize(settings: StepSettings, stats) -> dict:
+  """Host-side metrics of summed stats for the settings' drafter kind."""
+  if settings.kind == "dart":
+    return losses.summarize(stats, settings.level_decay)
+  return dflash_losses.summarize(stats, settings.position_weights(),
+                                 settings.kind == "domino")
+
+
+def init_state(head: DartHead | DFlashDrafter, settings: StepSettings, seed: int) -> dict:
   """A fresh train state. Arrays are copies: the step donates its state, and
   ``head`` must stay usable."""
-  params, buffers = jax.tree.map(jnp.copy, split_head(head, _DTYPES[settings.param_dtype]))
+  split = split_drafter if isinstance(head, DFlashDrafter) else split_head
+  params, buffers = jax.tree.map(jnp.copy, split(head, _DTYPES[settings.param_dtype]))
   tx, _ = make_optimizer(settings.optim, settings.steps)
   return {"params": params, "buffers": buffers, "opt_state": tx.init(params),
           "step": jnp.zeros((), jnp.int32), "rng": jax.random.PRNGKey(seed)}
@@ -223,6 +289,10 @@ class MetricsLog:
     acc = " ".join(f"{a:.3f}" for a in record.get("acc", []))
     text = (f"[{record['split']}] step {record['step']}: loss {record['loss']:.4f} "
             f"acc {acc} accept_len {record['accept_len']:.3f}")
+    if "accept_len_base" in record:
+      text += f" (base {record['accept_len_base']:.3f})"
+    if "domino_lambda" in record:
+      text += f" lambda {record['domino_lambda']:.3f}"
     if "grad_norm" in record:
       text += f" grad_norm {record['grad_norm']:.3f} lr {record['lr']:.2e}"
     if "tokens_per_s" in record:
@@ -238,9 +308,9 @@ class MetricsLog:
 
 @dataclasses.dataclass
 class TrainResult:
-  """What ``train`` returns: the final head, its state and the logged records."""
+  """What ``train`` returns: the final head or drafter, its state and the logged records."""
 
-  head: DartHead
+  head: DartHead | DFlashDrafter
   state: dict
   history: list
   export_dir: str | None
@@ -255,8 +325,48 @@ def _load_target(config: TrainConfig):
   return dj.load_target(path, dtype=dtype)
 
 
-def _make_head(config: TrainConfig, target, rows: data_lib.Rows) -> DartHead:
+def _make_drafter(config: TrainConfig, target) -> DFlashDrafter:
+  """The DFlash / Domino drafter to train: from ``dflash.init_from`` or fresh."""
+  dc, domino = config.dflash, config.head.kind == "domino"
+  if dc.init_from:
+    drafter = dj.load_dflash(dc.init_from, target)
+    if drafter.domino and not domino:
+      raise ConfigError(f"dflash.init_from={dc.init_from!r} holds a Domino drafter; "
+                        "train it with head.kind=domino")
+    log.info("continuing from the drafter in %s (its config.json fixes the architecture)",
+             dc.init_from)
+    if domino and not drafter.domino:
+      # A fresh Domino head on the loaded DFlash backbone.
+      with_head = dataclasses.replace(drafter.config, projector_type=PROJECTOR_DOMINO,
+                                      emb_dim=dc.emb_dim, gru_hidden_dim=dc.gru_hidden_dim)
+      graphdef, params = nnx.split(DFlashModule(with_head, rngs=nnx.Rngs(config.seed),
+                                                param_dtype=target.dtype))
+      pure = nnx.to_pure_dict(params)
+      pure.update(nnx.to_pure_dict(drafter.params))  # the backbone's entries
+      nnx.replace_by_pure_dict(params, pure)
+      drafter = DFlashDrafter(with_head, graphdef, params)
+    return drafter
+  tc = target.config
+  if dc.mask_token_id >= tc.vocab_size:
+    raise ConfigError(f"dflash.mask_token_id={dc.mask_token_id} is outside the target's "
+                      f"vocabulary [0, {tc.vocab_size}); -1 picks the last id")
+  ids = dc.target_layer_ids or None
+  if ids is not None and max(ids) >= tc.num_layers:
+    raise ConfigError(f"dflash.target_layer_ids={list(ids)} out of range for a target "
+                      f"with {tc.num_layers} layers")
+  if ids is None and dc.num_taps:
+    ids = default_target_layer_ids(tc.num_layers, dc.num_taps)
+  return DFlashDrafter.init(
+      target, block_size=dc.block_size, num_layers=dc.num_layers, domino=domino,
+      seed=config.seed, emb_dim=dc.emb_dim, gru_hidden_dim=dc.gru_hidden_dim,
+      intermediate_size=dc.intermediate_size or None, target_layer_ids=ids,
+      mask_token_id=None if dc.mask_token_id < 0 else dc.mask_token_id)
+
+
+def _make_head(config: TrainConfig, target, rows: data_lib.Rows) -> DartHead | DFlashDrafter:
   hc = config.head
+  if hc.kind != "dart":
+    return _make_drafter(config, target)
   if hc.init_from:
     head = dj.load_dart(hc.init_from, target)
     log.info("continuing from the head in %s", hc.init_from)
@@ -278,7 +388,8 @@ def _checkpoint_manager(workdir: str, keep: int) -> ocp.CheckpointManager:
 
 def train(config: TrainConfig, workdir: str, *,
           step_callback: Callable[[int, dict], None] | None = None) -> TrainResult:
-  """Trains (or resumes training) a DART head; see the module docstring.
+  """Trains (or resumes training) a DART head or a DFlash / Domino drafter
+  (``config.head.kind``); see the module docstring.
 
   step_callback(step, metrics) runs after every step (tests use it to stop a
   run mid-way as a crash would).
@@ -310,6 +421,11 @@ def train(config: TrainConfig, workdir: str, *,
       level_decay=config.loss.level_decay, param_dtype=config.param_dtype
       if config.param_dtype != "auto" else "float32", compute_dtype=config.compute_dtype,
       attn_impl=config.attn_impl, optim=config.optim, steps=config.steps)
+  if isinstance(head, DFlashDrafter):
+    settings = dataclasses.replace(
+        settings, position_gamma=dflash_losses.resolve_gamma(
+            config.loss.position_gamma, head.config.block_size),
+        anneal_steps=int(round(config.loss.domino_anneal * config.steps)))
   iterator = data_lib.BatchIterator(
       prepared.train, config.batch_size, config.data.shuffle_seed,
       process_index=jax.process_index(), process_count=jax.process_count())
@@ -335,7 +451,8 @@ def train(config: TrainConfig, workdir: str, *,
         raise CheckpointError(
             f"cannot restore the checkpoint of step {start} in "
             f"{os.path.join(workdir, 'checkpoints')}: {e}; was it written with another "
-            "config (draft_length, draft_vocab_size, optimizer)? Use a new --workdir") from e
+            "config (head.kind, draft_length, draft_vocab_size, dflash.*, optimizer)? "
+            "Use a new --workdir") from e
       state = restored["state"]
       iterator.set_state(restored["data"])
       if is_main:
@@ -357,8 +474,7 @@ def train(config: TrainConfig, workdir: str, *,
                           sharding.global_batch(b, mesh), eval_key, settings=settings,
                           target_graphdef=target.graphdef)
         total = stats if total is None else jax.tree.map(jnp.add, total, stats)
-      record = {"split": "eval", "step": step,
-                **losses.summarize(jax.device_get(total), config.loss.level_decay)}
+      record = {"split": "eval", "step": step, **summarize(settings, jax.device_get(total))}
       history.append(record)
       logger.write(record)
 
@@ -383,12 +499,14 @@ def train(config: TrainConfig, workdir: str, *,
                                  "tokens": tokens})
           now = time.perf_counter()
           record = {"split": "train", "step": done,
-                    **losses.summarize(host["running"], config.loss.level_decay),
+                    **summarize(settings, host["running"]),
                     "loss": float(host["loss"]) / n_running,
                     "grad_norm": float(host["m"]["grad_norm"]),
                     "lr": float(host["m"]["lr"]),
                     "tokens_per_s": float(host["tokens"]) / max(now - t_last, 1e-9),
                     "time": time.time()}
+          if "domino_lambda" in host["m"]:
+            record["domino_lambda"] = float(host["m"]["domino_lambda"])
           history.append(record)
           logger.write(record)
           bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['acc'][0]:.3f}")
@@ -410,6 +528,10 @@ def train(config: TrainConfig, workdir: str, *,
   export_dir = None
   if is_main:
     export_dir = config.export_dir or os.path.join(workdir, "export")
-    dj.save_dart(final, export_dir)
-    log.info("exported the head to %s", export_dir)
+    if isinstance(final, DFlashDrafter):
+      dj.save_dflash(final, export_dir)  # the released DFlash / Domino format
+    else:
+      dj.save_dart(final, export_dir)
+    log.info("exported the %s to %s", "head" if config.head.kind == "dart" else "drafter",
+             export_dir)
   return TrainResult(final, state, history, export_dir, start)

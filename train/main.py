@@ -1,7 +1,12 @@
-"""Train a DART head: ``python -m train.main --config NAME_OR_FILE --workdir DIR [k=v ...]``.
+"""Train a drafter: ``python -m train.main --config NAME_OR_FILE --workdir DIR [k=v ...]``.
+
+A DART head (``head.kind=dart``, presets tiny, smollm2_dart, qwen3_8b_dart) or a
+DFlash / Domino drafter (``head.kind=dflash|domino``, presets tiny_dflash,
+tiny_domino, smollm2_domino, qwen3_8b_dflash, qwen3_8b_domino).
 
 Examples:
   python -m train.main --config tiny --workdir /tmp/dart_tiny
+  python -m train.main --config tiny_domino --workdir /tmp/domino_tiny
   python -m train.main --config smollm2_dart --workdir ckpt/smollm2 \
       data.train=regen.jsonl steps=5000 batch_size=16
   python -m train.main --config qwen3_8b_dart --workdir gs://bucket/qwen3_8b \
@@ -9,7 +14,8 @@ Examples:
 
 Rerunning the same command resumes from the latest checkpoint in the workdir.
 The final head is written in the reference format to ``WORKDIR/export`` (load
-it with ``dart_jax.load_dart``).
+it with ``dart_jax.load_dart``); a DFlash / Domino drafter in the released format
+(``dart_jax.load_dflash`` / ``load_domino``; ``generate(..., tree="dartree")``).
 
 TPU pod slices: run the same command on every worker, e.g.
 
@@ -31,13 +37,15 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
-      prog="python -m train.main", description="Train a DART draft head for a target model.",
+      prog="python -m train.main",
+      description="Train a DART head or a DFlash / Domino drafter for a target model.",
       epilog="Overrides are dotted config keys, e.g. optim.learning_rate=1e-3 steps=500 "
-             "data.train=a.jsonl,b.jsonl mesh.fsdp=4. Presets: tiny, smollm2_dart, "
-             "qwen3_8b_dart.")
+             "data.train=a.jsonl,b.jsonl mesh.fsdp=4 head.kind=domino dflash.block_size=8. "
+             "Presets: tiny, smollm2_dart, qwen3_8b_dart, tiny_dflash, tiny_domino, "
+             "smollm2_domino, qwen3_8b_dflash, qwen3_8b_domino.")
   p.add_argument("--config", required=True, help="preset name or JSON config file")
   p.add_argument("--workdir", required=True,
-                 help="checkpoints, metrics.jsonl and the exported head go here")
+                 help="checkpoints, metrics.jsonl and the exported drafter go here")
   p.add_argument("overrides", nargs="*", help="key=value config overrides")
   p.add_argument("--print-config", action="store_true",
                  help="print the resolved config and exit")
@@ -77,7 +85,8 @@ def main(argv=None) -> int:
       print(f"final {split}: loss {r['loss']:.4f} acc {[round(a, 3) for a in r['acc']]} "
             f"accept_len {r['accept_len']:.3f}")
   if result.export_dir:
-    print(f"head written to {result.export_dir}")
+    what = "head" if config.head.kind == "dart" else f"{config.head.kind} drafter"
+    print(f"{what} written to {result.export_dir}")
   return 0
 
 
