@@ -3,8 +3,9 @@
     import dart_jax as dj
     target = dj.load_target()                 # embedded SmolLM2-135M-Instruct
     out = dj.generate(target, "Hello", max_new_tokens=64)
-    head = dj.load_dart("/path/to/dart_dir", target)
-    out = dj.generate(target, "Hello", draft=head, ngram=dj.ngram.NGram.load_trie(p))
+    head = dj.load_dart()                     # the DART head shipped for it
+    out = dj.generate(target, "Hello", draft=head, ngram=dj.load_ngram())
+    head = dj.load_dart("/path/to/dart_dir", target)   # any reference-format head
 """
 
 from dart_jax import ngram, tree
@@ -12,13 +13,14 @@ from dart_jax.draft.dart_head import DartConfig, DartHead, load_dart, save_dart
 from dart_jax.errors import CheckpointError, ConfigError, DartJaxError, InputError
 from dart_jax.generate import GenerateOutput, GenerateStats, generate, generate_stream
 from dart_jax.models import ModelConfig, Target, load_target
+from dart_jax.ngram import load_ngram
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError", "ConfigError", "DartConfig", "DartHead", "DartJaxError",
     "GenerateOutput", "GenerateStats", "InputError", "ModelConfig", "Target",
-    "generate", "generate_stream", "load_dart", "load_target", "ngram", "save_dart",
+    "generate", "generate_stream", "load_dart", "load_ngram", "load_target", "ngram", "save_dart",
     "tree",
 ]
 

@@ -631,12 +631,15 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--model", default=None,
                  help="target: HF directory or .gguf (default: embedded SmolLM2-135M-Instruct)")
   p.add_argument("--draft", default=None,
-                 help="DART head directory, or 'random' for a random head (timing only)")
+                 help="DART head directory, or 'random' for a random head (timing only); "
+                      "default for the embedded target: the head shipped with dart-jax")
   p.add_argument("--draft-length", type=int, default=4,
                  help="D of a random head (default 4)")
   p.add_argument("--draft-vocab-size", type=int, default=None,
                  help="draft vocabulary of a random head (default: the target's)")
-  p.add_argument("--ngram", default=None, help="N-gram .trie for DART's tree search")
+  p.add_argument("--ngram", default=None,
+                 help="N-gram .trie for DART's tree search (default with the shipped "
+                      "head: the N-gram shipped with it)")
   p.add_argument("--tree-budget", default=None,
                  help="DART draft nodes per round (remain_total) or 'auto' to choose "
                       "from measured verify costs (see infer/tree_budget.py); default: "
@@ -787,14 +790,24 @@ def load_drafters(args, target, methods: Sequence[str]) -> dict[str, tuple[Any, 
   return out
 
 
-def _load_head(args, target):
+def load_dart_args(args, target) -> tuple[Any, Any]:
+  """(DART head, N-gram or None) from ``--draft`` / ``--ngram``.
+
+  Without ``--draft`` the embedded target (no ``--model``) uses the head and
+  N-gram shipped for it (``--ngram`` still overrides the N-gram); other targets
+  need a head directory. ``--draft random`` is a random head (timing only).
+  """
+  ngram = dj.ngram.NGram.load_trie(args.ngram) if args.ngram else None
   if args.draft is None:
-    raise InputError("--method dart needs --draft: a DART head directory, or 'random' "
-                     "for a randomly initialised head (timing only)")
+    if args.model is not None:
+      raise InputError("--method dart needs --draft: a DART head directory for this "
+                       "model, or 'random' for a randomly initialised head (timing only)")
+    return dj.load_dart(None, target), ngram if ngram is not None else dj.load_ngram()
   if args.draft == "random":
-    return dj.DartHead.init(target, draft_length=args.draft_length,
-                            draft_vocab_size=args.draft_vocab_size, seed=args.seed)
-  return dj.load_dart(args.draft, target)
+    return dj.DartHead.init(target, draft_length=getattr(args, "draft_length", 4),
+                            draft_vocab_size=getattr(args, "draft_vocab_size", None),
+                            seed=args.seed), ngram
+  return dj.load_dart(args.draft, target), ngram
 
 
 def _tree_config(args, target, head, ngram, log) -> tuple[Any, dict]:
@@ -814,7 +827,8 @@ def _tree_config(args, target, head, ngram, log) -> tuple[Any, dict]:
   else:
     given = {k: v for k, v in (("topk", args.topk), ("beam_width", args.beam_width))
              if v is not None}
-    tree = dj.tree.TreeConfig(**given)
+    # The shipped head carries the tree measured for it.
+    tree = dataclasses.replace(head.tree or dj.tree.TreeConfig(), **given)
   return tree, {"source": "fixed", "budget": tree.remain_total, "topk": tree.topk,
                 "beam_width": tree.beam_width}
 
@@ -860,8 +874,7 @@ def run_benchmark(args, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
           "drafter": source, "domino": drafter.domino, "block_size": c.block_size,
           "nodes": num_tree_nodes(m, tree_config, c.num_depths, c.vocab_size)}
   if "dart" in methods:
-    head = _load_head(args, target)
-    ngram = dj.ngram.NGram.load_trie(args.ngram) if args.ngram else None
+    head, ngram = load_dart_args(args, target)
     tree, tree_info = _tree_config(args, target, head, ngram, log)
     runners["dart"] = JaxMethod(target, draft=head, ngram=ngram, tree=tree)
     if args.profile:

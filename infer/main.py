@@ -28,11 +28,15 @@ def build_parser() -> argparse.ArgumentParser:
                       "SmolLM2-135M-Instruct)")
   p.add_argument("--method", "--tree", default=None, choices=METHODS,
                  help="decoding method (dart_jax.generate's tree= names for DARTree); "
-                      "default: dart with --draft, dartree with --domino or --drafter "
-                      "random, ddtree with only --dflash, else ar")
+                      "default: dart with --draft/--ngram/--tree-budget, dartree with "
+                      "--domino or --drafter random, ddtree with only --dflash, else ar. "
+                      "--method dart on the embedded target uses the shipped head")
   p.add_argument("--draft", default=None,
-                 help="DART head directory (reference format); enables DART")
-  p.add_argument("--ngram", default=None, help="N-gram .trie file for DART's tree search")
+                 help="DART head directory (reference format); enables DART (default "
+                      "for the embedded target: the head shipped with dart-jax)")
+  p.add_argument("--ngram", default=None,
+                 help="N-gram .trie file for DART's tree search (default with the "
+                      "shipped head: the N-gram shipped with it)")
   p.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate (256)")
   p.add_argument("--temperature", type=float, default=0.0,
                  help="sampling temperature; 0 = greedy (default)")
@@ -51,7 +55,7 @@ def choose_method(args) -> str:
   """The method to run; raises InputError for options that do not fit it."""
   method = args.method
   if method is None:
-    if args.draft:
+    if args.draft or args.ngram or args.tree_budget:
       method = "dart"
     elif args.domino or args.drafter:
       method = "dartree"
@@ -68,8 +72,9 @@ def choose_method(args) -> str:
                           "speculative decoding; pass --draft DIR for DART, or --domino "
                           "DIR / --dflash DIR (and --method) for DARTree")
   elif method == "dart":
-    if not args.draft:
-      raise dj.InputError("--method dart needs --draft: a DART head directory")
+    if not args.draft and args.model is not None:
+      raise dj.InputError("--method dart needs --draft: a DART head directory for "
+                          "this model (the shipped head is for the embedded target)")
     if dartree_flags:
       raise dj.InputError(f"{', '.join(dartree_flags)} are DARTree options; --method "
                           "dart takes --draft, --ngram and --tree-budget")
@@ -89,9 +94,7 @@ def main(argv=None) -> int:
     target = dj.load_target(args.model)
     kwargs = {}
     if method == "dart":
-      kwargs["draft"] = dj.load_dart(args.draft, target)
-      if args.ngram:
-        kwargs["ngram"] = dj.ngram.NGram.load_trie(args.ngram)
+      kwargs["draft"], kwargs["ngram"] = bench.load_dart_args(args, target)
       if args.tree_budget:
         kwargs["tree"] = dj.tree.TreeConfig(remain_total=args.tree_budget)
     elif tree_config is not None:

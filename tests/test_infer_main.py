@@ -61,7 +61,7 @@ def test_cli_dartree_method_streams_the_ar_text(capsys):
     (["--draft", "h", "--method", "dartree", "--drafter", "random"],
      "--draft are DART options"),
     (["--draft", "h", "--domino", "d"], "--domino are DARTree options"),
-    (["--method", "dart"], "needs --draft"),
+    (["--method", "dart", "--model", "some_dir"], "needs --draft"),
     (["--dartree-budget", "4"], "--dartree-budget: only for speculative decoding"),
     (["--drafter", "random", "--dartree-depth-bonus", "1"], "depth_bonus must be <= 0"),
 ])

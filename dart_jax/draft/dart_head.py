@@ -105,7 +105,8 @@ class DartConfig:
           draft_vocab_size=int(hf.get("draft_vocab_size") or hf["vocab_size"]),
           target_hidden_size=int(hf.get("target_hidden_size") or hidden),
           draft_length=int(hf["draft_length"]),
-          tap_layers=tuple(ours.get("tap_layers", target_config.dart_tap_layers)),
+          tap_layers=tuple(ours["tap_layers"] if "tap_layers" in ours
+                           else target_config.dart_tap_layers),
           rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
           rope_theta=theta,
           rope_scaling=scaling,
@@ -222,11 +223,16 @@ def _ref_name(path: str) -> str:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DartHead:
-  """A DART head handle: config + NNX graphdef/params, used functionally."""
+  """A DART head handle: config + NNX graphdef/params, used functionally.
+
+  tree: the ``TreeConfig`` that ``generate`` uses when it is given none (set for
+    the shipped head to the budget measured for it); None = ``TreeConfig()``.
+  """
 
   config: DartConfig
   graphdef: Any
   params: Any
+  tree: Any = None
 
   @classmethod
   def init(cls, target, draft_length: int = 7, draft_vocab_size: int | None = None,
@@ -294,36 +300,62 @@ class DartHead:
     from dart_jax.speculative import DartDecoder  # Avoids an import cycle.
 
     return DartDecoder(target, self, sampling=sampling, seed=seed, ngram=ngram,
-                       tree=tree, **kwargs)
+                       tree=tree if tree is not None else self.tree, **kwargs)
 
 
-def save_dart(head: DartHead, path: str | os.PathLike) -> None:
+def save_dart(head: DartHead, path: str | os.PathLike, *, dtype=None) -> None:
   """Writes ``head`` in the reference release's format (config.json +
-  model.safetensors; linear weights as [out, in], ``d2t`` as int64 offsets)."""
+  model.safetensors; linear weights as [out, in], ``d2t`` as int64 offsets).
+
+  dtype: store floating tensors in this numpy dtype (e.g. ``np.float16`` to halve
+  a shipped file); default: as they are.
+  """
   from safetensors.numpy import save_file
 
   os.makedirs(path, exist_ok=True)
   tensors = checkpoint.tensors_from_state(head.params, _ref_name)
+  if dtype is not None:
+    tensors = {name: t.astype(dtype) if np.issubdtype(t.dtype, np.floating) else t
+               for name, t in tensors.items()}
   tensors["d2t"] = tensors["d2t"].astype(np.int64)
   save_file(tensors, os.path.join(path, "model.safetensors"))
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(head.config.to_hf(), f, indent=2)
 
 
-def load_dart(path: str | os.PathLike, target, *, dtype=None) -> DartHead:
-  """Loads a DART head for ``target`` from a directory in the reference format.
+def load_dart(path: str | os.PathLike | None = None, target=None, *, dtype=None
+              ) -> DartHead:
+  """Loads a DART head from a directory in the reference format.
 
+  Args:
+    path: the head directory (config.json + model.safetensors); None = the head
+      shipped for the embedded SmolLM2-135M-Instruct target.
+    target: the ``Target`` the head will draft for; it supplies the default tap
+      layers and is checked against the head. None skips the check (the config
+      must then name its tap layers, as heads saved by dart-jax do).
+    dtype: parameter dtype; default the target's (float32 without a target on CPU).
   Raises CheckpointError for missing/corrupt files and ConfigError when the head
   does not fit the target (vocabulary, hidden size, layer count).
   """
-  from dart_jax.io import read_safetensors_dir
+  from dart_jax.io import embedded_dart_dir, embedded_tree_config, read_safetensors_dir
+  from dart_jax.models.target import default_dtype
 
+  shipped = path is None
+  path = embedded_dart_dir() if shipped else path
   hf, tensors = read_safetensors_dir(path)
-  config = DartConfig.from_hf(hf, target.config)
-  dtype = dtype or target.dtype
+  if target is None and "tap_layers" not in hf.get("dart_jax", {}):
+    raise ConfigError(f"{os.fspath(path)}: the config does not name its tap layers; "
+                      "pass the target: load_dart(path, target)")
+  config = DartConfig.from_hf(hf, target.config if target is not None else None)
+  dtype = dtype or (target.dtype if target is not None else default_dtype())
   graphdef, params = checkpoint.state_from_tensors(
       lambda: DartHeadModule(config, rngs=nnx.Rngs(0), param_dtype=dtype), tensors,
       _ref_name, source=os.fspath(path), what="DART head")
   head = DartHead(config, graphdef, params)
-  head.check_target(target)
+  if target is not None:
+    head.check_target(target)
+  if shipped:
+    from dart_jax.tree import TreeConfig  # Local import: tree imports this module's users.
+
+    head = dataclasses.replace(head, tree=TreeConfig(**embedded_tree_config()))
   return head

@@ -52,6 +52,38 @@ def embedded_gguf_path() -> pathlib.Path:
   return path
 
 
+# The DART head and N-gram trained for the embedded target, shipped in the package
+# (recipe and training curve: dart_jax/assets/smollm2_135m/README.md).
+EMBEDDED_ASSETS = pathlib.Path(__file__).resolve().parent.parent / "assets" / "smollm2_135m"
+
+
+def embedded_dart_dir() -> pathlib.Path:
+  """Directory of the DART head shipped for the embedded target (reference format)."""
+  path = EMBEDDED_ASSETS / "dart_head"
+  if not (path / "config.json").is_file():
+    raise CheckpointError(f"the packaged DART head is missing ({path}); this install "
+                          "of dart-jax is incomplete, reinstall it or pass a head directory")
+  return path
+
+
+def embedded_tree_config() -> dict:
+  """TreeConfig fields measured for the shipped head (``manifest.json``'s ``tree``)."""
+  path = EMBEDDED_ASSETS / "manifest.json"
+  try:
+    return dict(json.loads(path.read_text())["tree"])
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise CheckpointError(f"cannot read the shipped tree settings from {path}: {e}") from e
+
+
+def embedded_ngram_path() -> pathlib.Path:
+  """The N-gram ``.trie`` shipped for the embedded target."""
+  path = EMBEDDED_ASSETS / "ngram.trie"
+  if not path.is_file():
+    raise CheckpointError(f"the packaged N-gram is missing ({path}); this install of "
+                          "dart-jax is incomplete, reinstall it or pass a .trie file")
+  return path
+
+
 def _source_stamp(gguf_path: pathlib.Path) -> dict:
   return {"format": FORMAT, "source": gguf_path.name,
           "source_bytes": gguf_path.stat().st_size}

@@ -175,3 +175,12 @@ class NGram:
     malloc overhead) and about one 8-byte bucket pointer.
     """
     return 80 * self.num_nodes + (32 + 8) * (self.num_nodes - 1)
+
+
+def load_ngram(path: str | os.PathLike | None = None) -> NGram:
+  """A reference ``.trie`` file; None = the N-gram shipped for the embedded target."""
+  if path is None:
+    from dart_jax.io import embedded_ngram_path  # Local import: io is heavy.
+
+    path = embedded_ngram_path()
+  return NGram.load_trie(path)

@@ -1,0 +1,72 @@
+"""Packing a trained head + N-gram into shipped assets, and the shipped ones."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import dart_jax as dj
+from dart_jax.io import default_model
+from train import configs, data as data_lib, embedded_assets
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+  return dj.load_target(configs.TINY_TARGET, dtype=np.float32)
+
+
+def test_pack_round_trip(tiny_target, tmp_path):
+  head = dj.DartHead.init(tiny_target, draft_length=3, draft_vocab_size=64, seed=1)
+  head = head.with_draft_vocab(np.arange(0, 128, 2))
+  dj.save_dart(head, tmp_path / "export")
+  manifest = embedded_assets.pack(tiny_target, list(configs.SAMPLE_DATA),
+                                  str(tmp_path / "export"), str(tmp_path / "out"),
+                                  order=3, min_count=1, tree_budget="5")
+  assert manifest["tree"] == {"topk": 5, "beam_width": 5, "remain_total": 5}
+  shipped = dj.load_dart(tmp_path / "out" / "dart_head", tiny_target)
+  # float16 storage: every weight within half-precision rounding of the original.
+  leaves = jax.tree_util.tree_leaves_with_path(head.params)
+  shipped_leaves = jax.tree_util.tree_leaves(shipped.params)
+  assert len(leaves) == len(shipped_leaves)
+  for (path, a), b in zip(leaves, shipped_leaves):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-3, atol=1e-6,
+                               err_msg=jax.tree_util.keystr(path))
+  assert manifest["files"]["dart_head/model.safetensors"] == os.path.getsize(
+      tmp_path / "out" / "dart_head" / "model.safetensors")
+  # The N-gram counts the chat-rendered training tokens: a 3-gram of the first
+  # conversation is found with the exact relative frequency.
+  stats = data_lib.DataStats()
+  records = data_lib.read_records(list(configs.SAMPLE_DATA), stats)
+  tokens = [e.tokens for e in data_lib.tokenize_records(tiny_target.tokenizer, records, stats)]
+  ngram = dj.load_ngram(tmp_path / "out" / "ngram.trie")
+  context, nxt = tokens[0][:2], tokens[0][2]
+  windows = [tuple(t[i:i + 3]) for t in tokens for i in range(len(t) - 2)]
+  starts = [tuple(t[i:i + 2]) for t in tokens for i in range(len(t) - 1)]
+  expected = windows.count((*context, nxt)) / starts.count(tuple(context))
+  probs, matched = ngram.probability(np.asarray(context), np.asarray([nxt]))
+  assert matched[0] == 2
+  np.testing.assert_allclose(probs[0], expected, rtol=1e-6)
+
+
+def test_missing_assets_are_clear_errors(monkeypatch, tmp_path):
+  monkeypatch.setattr(default_model, "EMBEDDED_ASSETS", tmp_path / "nothing")
+  with pytest.raises(dj.CheckpointError, match="packaged DART head is missing"):
+    dj.load_dart()
+  with pytest.raises(dj.CheckpointError, match="packaged N-gram is missing"):
+    dj.load_ngram()
+
+
+def test_shipped_assets_are_small_and_fit_the_embedded_target():
+  manifest_path = default_model.EMBEDDED_ASSETS / "manifest.json"
+  manifest = json.loads(manifest_path.read_text())
+  total = sum(manifest["files"].values())
+  assert total < 40e6, f"shipped assets are {total / 1e6:.1f} MB"
+  for name, size in manifest["files"].items():
+    assert os.path.getsize(default_model.EMBEDDED_ASSETS / name) == size, name
+  head = dj.load_dart()  # No target: tap layers come from the shipped config.
+  assert head.tree == dj.tree.TreeConfig(**manifest["tree"])  # generate's default tree  assert head.config.vocab_size == 49152 and head.config.target_hidden_size == 576
+  assert head.config.draft_vocab_size == manifest["draft_vocab_size"]
+  ngram = dj.load_ngram()
+  assert ngram.order == manifest["ngram_order"]
