@@ -17,7 +17,8 @@ def test_presets_exist_and_are_consistent():
   assert all(os.path.isfile(p) for p in tiny.data.train)
   smol = configs.load_config("smollm2_dart")
   assert smol.target.path is None  # the embedded SmolLM2 target
-  assert 8192 <= smol.head.draft_vocab_size <= 16384 and smol.head.draft_length in (6, 7)
+  assert 8192 <= smol.head.draft_vocab_size <= 16384 and smol.head.draft_length == 5
+  assert all(os.path.isfile(p) for p in smol.data.train)  # the bundled self-distilled data
   assert configs.load_config("qwen3_8b_dart").target.path == configs.REQUIRED
 
 

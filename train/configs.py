@@ -26,6 +26,8 @@ SAMPLE_DATA_DIR = os.path.join(REPO_ROOT, "train", "sample_data")
 SAMPLE_DATA = (os.path.join(SAMPLE_DATA_DIR, "chat_sharegpt.jsonl"),
                os.path.join(SAMPLE_DATA_DIR, "chat_openai.jsonl"))
 TINY_TARGET = os.path.join(SAMPLE_DATA_DIR, "tiny_target")
+# SmolLM2-135M-Instruct's own answers to train.prompts (seed 0), see the preset.
+SMOLLM2_SELF_DISTILLED = os.path.join(SAMPLE_DATA_DIR, "smollm2_self_distilled.jsonl")
 REQUIRED = "REQUIRED"  # A path the user must set (no sensible default exists).
 DRAFTER_KINDS = ("dart", "dflash", "domino")
 
@@ -255,16 +257,21 @@ PRESETS: dict[str, TrainConfig] = {
         steps=200, batch_size=8, log_every=10, eval_every=100, eval_batches=2,
         checkpoint_every=50,
     ),
-    # SmolLM2-135M-Instruct (the embedded default target), reduced draft
-    # vocabulary. Regenerate the data with the target first for best heads:
-    #   python -m train.data regenerate --data IN.jsonl --out OUT.jsonl
+    # SmolLM2-135M-Instruct (the embedded default target): the recipe of the head
+    # shipped in dart_jax/assets/smollm2_135m (a 2-core CPU budget, ~40 min). Data:
+    #   python -m train.prompts --num 1600 --seed 0 --out prompts.jsonl
+    #   python -m train.data regenerate --data prompts.jsonl --out regen.jsonl \
+    #       --max-new-tokens 160 --batch-size 64 --max-batches 3
+    # (regen.jsonl is bundled as SMOLLM2_SELF_DISTILLED). On a TPU/GPU raise
+    # steps, batch_size, max_len and the amount of regenerated data.
     "smollm2_dart": TrainConfig(
         target=TargetSection(path=None),
-        head=HeadSection(draft_length=6, draft_vocab_size=12288),
-        data=DataSection(max_len=1024),
-        loss=LossSection(num_anchors=128),
-        optim=OptimSection(learning_rate=5e-4, warmup_steps=500),
-        steps=20000, batch_size=32, eval_every=1000, checkpoint_every=1000,
+        head=HeadSection(draft_length=5, draft_vocab_size=8192),
+        data=DataSection(train=(SMOLLM2_SELF_DISTILLED,), max_len=512, eval_fraction=0.05),
+        loss=LossSection(num_anchors=64),
+        optim=OptimSection(learning_rate=1e-3, warmup_steps=10, end_lr_ratio=0.1),
+        steps=100, batch_size=4, log_every=5, eval_every=50, eval_batches=2,
+        checkpoint_every=25,
     ),
     # Qwen3-8B on a TPU pod slice: shard the target over fsdp, bfloat16 compute.
     "qwen3_8b_dart": TrainConfig(
