@@ -17,7 +17,8 @@ from dart_jax.models.transformer import KVCache
 from train import configs, loop
 from train import dflash_losses as dl
 from train import losses
-from train import main as train_main
+from tests.train_helpers import (OVERRIDES, STEPS, metric_records as _records,
+                                 packed_batch, run_preset)
 
 B = 4  # block size of the tests' drafters (3 draft depths)
 
@@ -28,15 +29,7 @@ def target():
 
 
 def _packed_batch():
-  """One row of 24 tokens: segment 1 = rows 0..13, segment 2 = rows 14..21, 2 pad."""
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(3, 300, (1, 24)).astype(np.int32)
-  seg = np.array([[1] * 14 + [2] * 8 + [0] * 2], np.int32)
-  pos = np.array([list(range(14)) + list(range(8)) + [0, 0]], np.int32)
-  tokens[0, 22:] = 0
-  loss_mask = (seg > 0) & (pos > 0)
-  return {"tokens": jnp.asarray(tokens), "segment_ids": jnp.asarray(seg),
-          "positions": jnp.asarray(pos), "loss_mask": jnp.asarray(loss_mask)}
+  return packed_batch(300)
 
 
 # ------------------------------------------------------------ loss by hand
@@ -220,22 +213,10 @@ def test_domino_head_on_a_released_dflash_backbone(target, tmp_path):
 
 # ------------------------------------------------------------- end to end
 
-STEPS = 60
-OVERRIDES = [f"steps={STEPS}", "optim.warmup_steps=5", "checkpoint_every=20",
-             "eval_every=60", "log_every=10", "progress=false"]
-
-
 @pytest.fixture(scope="module")
 def domino_run(tmp_path_factory):
   """An uninterrupted tiny Domino run through the command-line entry point."""
-  workdir = str(tmp_path_factory.mktemp("domino"))
-  assert train_main.main(["--config", "tiny_domino", "--workdir", workdir] + OVERRIDES) == 0
-  return workdir
-
-
-def _records(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f]
+  return run_preset("tiny_domino", str(tmp_path_factory.mktemp("domino")))
 
 
 def test_tiny_domino_run_learns_and_generates_losslessly(domino_run, target):

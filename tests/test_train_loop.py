@@ -9,24 +9,12 @@ import pytest
 from safetensors.numpy import load_file
 
 from train import configs, loop
-from train import main as train_main
-
-STEPS = 60
-OVERRIDES = [f"steps={STEPS}", "optim.warmup_steps=5", "checkpoint_every=20",
-             "eval_every=60", "log_every=10", "progress=false"]
-
+from tests.train_helpers import OVERRIDES, STEPS, metric_records as _records, run_preset
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
   """An uninterrupted run through the command-line entry point."""
-  workdir = str(tmp_path_factory.mktemp("full"))
-  assert train_main.main(["--config", "tiny", "--workdir", workdir] + OVERRIDES) == 0
-  return workdir
-
-
-def _records(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f]
+  return run_preset("tiny", str(tmp_path_factory.mktemp("full")))
 
 
 def test_tiny_run_learns(full_run):

@@ -10,6 +10,7 @@ import pytest
 import dart_jax as dj
 from dart_jax.models.transformer import KVCache
 from train import losses
+from tests.train_helpers import packed_batch
 
 TINY_TARGET = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "train", "sample_data", "tiny_target")
@@ -55,15 +56,7 @@ def models():
 
 
 def _packed_batch():
-  """One row of 24 tokens: segment 1 = positions 0..13, segment 2 = 14..21, 2 pad."""
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(3, VOCAB, (1, 24)).astype(np.int32)
-  seg = np.array([[1] * 14 + [2] * 8 + [0] * 2], np.int32)
-  pos = np.array([list(range(14)) + list(range(8)) + [0, 0]], np.int32)
-  tokens[0, 22:] = 0
-  loss_mask = (seg > 0) & (pos > 0)
-  return {"tokens": jnp.asarray(tokens), "segment_ids": jnp.asarray(seg),
-          "positions": jnp.asarray(pos), "loss_mask": jnp.asarray(loss_mask)}
+  return packed_batch(VOCAB)
 
 
 def test_training_forward_matches_inference_per_anchor(models):
