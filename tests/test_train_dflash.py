@@ -17,8 +17,8 @@ from dart_jax.models.transformer import KVCache
 from train import configs, loop
 from train import dflash_losses as dl
 from train import losses
-from tests.train_helpers import (OVERRIDES, STEPS, metric_records as _records,
-                                 packed_batch, run_preset)
+from tests.train_helpers import (OVERRIDES, STEPS, crash_then_resume,
+                                 metric_records as _records, packed_batch, run_preset)
 
 B = 4  # block size of the tests' drafters (3 draft depths)
 
@@ -246,21 +246,10 @@ def test_tiny_domino_run_learns_and_generates_losslessly(domino_run, target):
   assert accept["dartree"] > 1.3, accept
 
 
-class _Crash(Exception):
-  pass
-
-
 def test_domino_crash_and_resume_equals_the_uninterrupted_run(domino_run, tmp_path):
   config = configs.load_config("tiny_domino", OVERRIDES)
   workdir = str(tmp_path / "resumed")
-
-  def crash_at_25(step, metrics):
-    if step == 25:  # between the checkpoints of steps 20 and 40
-      raise _Crash()
-
-  with pytest.raises(_Crash):
-    loop.train(config, workdir, step_callback=crash_at_25)
-  result = loop.train(config, workdir)
+  _, result = crash_then_resume(config, workdir)
   assert result.start_step == 20
   ours = load_file(os.path.join(workdir, "export", "model.safetensors"))
   reference = load_file(os.path.join(domino_run, "export", "model.safetensors"))

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from train import configs, loop
-from tests.train_helpers import OVERRIDES, STEPS, metric_records as _records, run_preset
+from train import configs
+from tests.train_helpers import (OVERRIDES, STEPS, crash_then_resume,
+                                 metric_records as _records, run_preset)
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
@@ -33,22 +34,11 @@ def test_tiny_run_learns(full_run):
   assert saved["steps"] == STEPS
 
 
-class _Crash(Exception):
-  pass
-
-
 def test_crash_and_resume_equals_the_uninterrupted_run(full_run, tmp_path):
   config = configs.load_config("tiny", OVERRIDES)
   workdir = str(tmp_path / "resumed")
-
-  def crash_at_25(step, metrics):
-    if step == 25:  # between the checkpoints of steps 20 and 40
-      raise _Crash()
-
-  with pytest.raises(_Crash):
-    loop.train(config, workdir, step_callback=crash_at_25)
-  assert not os.path.exists(os.path.join(workdir, "export"))
-  result = loop.train(config, workdir)
+  exported_early, result = crash_then_resume(config, workdir)
+  assert not exported_early
   assert result.start_step == 20
   # Steps 21..25 ran twice; the second time from the restored state and data.
   steps = [r["step"] for r in _records(workdir) if r["split"] == "train"]

@@ -6,6 +6,9 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
+import pytest
+
+from train import loop
 from train import main as train_main
 
 STEPS = 60
@@ -35,3 +38,21 @@ def packed_batch(vocab: int) -> dict:
   loss_mask = (seg > 0) & (pos > 0)
   return {"tokens": jnp.asarray(tokens), "segment_ids": jnp.asarray(seg),
           "positions": jnp.asarray(pos), "loss_mask": jnp.asarray(loss_mask)}
+
+
+class Crash(Exception):
+  """Raised by ``crash_then_resume``'s step callback (a simulated interruption)."""
+
+
+def crash_then_resume(config, workdir: str, crash_step: int = 25):
+  """Trains until ``crash_step`` (between the checkpoints of steps 20 and 40),
+  crashes there, then reruns: -> (export dir existed after the crash, result)."""
+
+  def crash(step, metrics):
+    if step == crash_step:
+      raise Crash()
+
+  with pytest.raises(Crash):
+    loop.train(config, workdir, step_callback=crash)
+  exported_early = os.path.exists(os.path.join(workdir, "export"))
+  return exported_early, loop.train(config, workdir)
