@@ -810,7 +810,9 @@ def load_dart_args(args, target) -> tuple[Any, Any]:
   return dj.load_dart(args.draft, target), ngram
 
 
-def _tree_config(args, target, head, ngram, log) -> tuple[Any, dict]:
+def tree_config_from_args(args, target, head, ngram, log) -> tuple[Any, dict]:
+  """(DART TreeConfig, how it was chosen) from ``--tree-budget auto|N``, ``--topk``,
+  ``--beam-width``; without a budget, the head's own tree (or the default)."""
   if args.tree_budget == "auto":
     choice = tb.auto_tree_budget(target, head, ngram, topk=args.topk,
                                  beam_width=args.beam_width, log=log)
@@ -875,7 +877,7 @@ def run_benchmark(args, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
           "nodes": num_tree_nodes(m, tree_config, c.num_depths, c.vocab_size)}
   if "dart" in methods:
     head, ngram = load_dart_args(args, target)
-    tree, tree_info = _tree_config(args, target, head, ngram, log)
+    tree, tree_info = tree_config_from_args(args, target, head, ngram, log)
     runners["dart"] = JaxMethod(target, draft=head, ngram=ngram, tree=tree)
     if args.profile:
       profiler = JaxMethod(target, draft=head, ngram=ngram, tree=tree, profile=True)

@@ -27,7 +27,7 @@ import sys
 import numpy as np
 
 import dart_jax as dj
-from infer import tree_budget as tree_budget_lib
+from infer import bench
 from train import data as data_lib
 
 
@@ -51,18 +51,8 @@ def build_ngram(target, data_paths, order: int, min_count: int) -> dj.ngram.NGra
 
 def choose_tree(target, head, ngram, tree_budget: str) -> tuple[dict, dict]:
   """(TreeConfig fields, how they were chosen) for ``--tree-budget auto|N``."""
-  if tree_budget == "auto":
-    choice = tree_budget_lib.auto_tree_budget(target, head, ngram)
-    tree, how = choice.tree, {"source": "auto", **choice.to_json()}
-  else:
-    try:
-      budget = int(tree_budget)
-    except ValueError:
-      raise dj.InputError(f"--tree-budget must be 'auto' or an integer >= 1, got "
-                          f"{tree_budget!r}") from None
-    if budget < 1:
-      raise dj.InputError(f"--tree-budget must be >= 1, got {budget}")
-    tree, how = tree_budget_lib.tree_config_for(budget), {"source": "fixed"}
+  args = argparse.Namespace(tree_budget=tree_budget, topk=None, beam_width=None)
+  tree, how = bench.tree_config_from_args(args, target, head, ngram, print)
   fields = {"topk": tree.topk, "beam_width": tree.beam_width,
             "remain_total": tree.remain_total}
   return fields, how
