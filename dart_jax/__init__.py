@@ -27,3 +27,7 @@ __all__ = [
 from dart_jax.draft.dflash import DFlashDrafter, load_dflash, load_domino, save_dflash
 
 __all__ += ["DFlashDrafter", "load_dflash", "load_domino", "save_dflash"]
+
+from dart_jax.draft.dart_gru import DartGruDrafter, load_dart_gru, save_dart_gru
+
+__all__ += ["DartGruDrafter", "load_dart_gru", "save_dart_gru"]

@@ -131,6 +131,32 @@ dartree_round = jax.jit(
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(DARTreeConfig))
 
 
+def tree_options(tree, tree_config: DARTreeConfig | None, overrides: dict,
+                 has_head: bool) -> tuple[str, DARTreeConfig]:
+  """``generate``'s DARTree options -> (method name, ``DARTreeConfig``).
+
+  tree: a method name, a ``DARTreeConfig`` (method "dartree") or None
+  ("dartree"); overrides: ``DARTreeConfig`` fields given as keyword arguments;
+  has_head: whether the drafter carries a correction head. Raises InputError /
+  ConfigError for unknown or ill-typed options.
+  """
+  unknown = sorted(set(overrides) - set(_CONFIG_FIELDS))
+  if unknown:
+    raise InputError(f"unknown DARTree option(s) {unknown}; options: tree, "
+                     f"tree_config, {', '.join(_CONFIG_FIELDS)}")
+  if isinstance(tree, DARTreeConfig):
+    tree_config, tree = tree, "dartree"
+  if tree is None:
+    tree = "dartree"
+  if not isinstance(tree, str):
+    raise InputError(f"tree={tree!r}: pass a DARTree method name or a DARTreeConfig")
+  if tree_config is not None and not isinstance(tree_config, DARTreeConfig):
+    raise InputError(f"tree_config must be a DARTreeConfig, got "
+                     f"{type(tree_config).__name__}")
+  return (resolve_method(tree, has_head),
+          dataclasses.replace(tree_config or DARTreeConfig(), **overrides))
+
+
 class DARTreeDecoder:
   """``generate``'s decoder for ``draft=DFlashDrafter``.
 
@@ -151,23 +177,10 @@ class DARTreeDecoder:
                tree_config: DARTreeConfig | None = None, **overrides):
     if ngram is not None:
       raise InputError("DARTree methods use no N-gram model; drop ngram=...")
-    unknown = sorted(set(overrides) - set(_CONFIG_FIELDS))
-    if unknown:
-      raise InputError(f"unknown DARTree option(s) {unknown}; options: tree, "
-                       f"tree_config, {', '.join(_CONFIG_FIELDS)}")
-    if isinstance(tree, DARTreeConfig):
-      tree_config, tree = tree, "dartree"
-    if tree is None:
-      tree = "dartree"
-    if not isinstance(tree, str):
-      raise InputError(f"tree={tree!r}: pass a DARTree method name or a DARTreeConfig")
-    if tree_config is not None and not isinstance(tree_config, DARTreeConfig):
-      raise InputError(f"tree_config must be a DARTreeConfig, got "
-                       f"{type(tree_config).__name__}")
+    method, tree_config = tree_options(tree, tree_config, overrides, drafter.domino)
     drafter.check_target(target)
     self.target, self.drafter = target, drafter
-    self.method = resolve_method(tree, drafter.domino)
-    self.tree_config = dataclasses.replace(tree_config or DARTreeConfig(), **overrides)
+    self.method, self.tree_config = method, tree_config
     self.sampling = sampling
     c = drafter.config
     self.num_nodes = num_tree_nodes(self.method, self.tree_config, c.num_depths,

@@ -4,10 +4,17 @@ Round (spec dart.md section 3): tree search over the draft logits of the last
 round -> one target pass over ``[root] + tree`` with the tree mask -> sample-and-
 match acceptance -> KV compaction -> the head drafts the next round from the taps
 of the accepted path. The host only sees the emitted tokens.
+
+The search phase is a parameter: DART's beam search with the N-gram term by
+default, or a ``TreeBuilder`` (a static, hashable callable) that builds the
+tree another way from the same draft levels, e.g. DART-GRU's corrected DARTree
+trees (``dart_jax.draft.dart_gru``). Verify, accept and draft are shared.
 """
 
 import functools
 import time
+from typing import Protocol
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -32,12 +39,35 @@ class DartState:
   draft_cache: the head's one-layer cache of real positions (same lengths).
   history: [B, C] committed tokens with the root at index ``cache.lengths``.
   draft_logits: [B, D+1, Vd] the head's drafts for the next round.
+  draft_hidden: [B, D+1, H] the hidden ``lm_head`` read for them, kept only
+    when the tree builder needs it (else None).
   """
 
   cache: KVCache
   draft_cache: KVCache
   history: jax.Array
   draft_logits: jax.Array
+  draft_hidden: jax.Array | None = None
+
+
+class TreeBuilder(Protocol):
+  """A search phase replacing DART's beam search (a static jit argument: hashable).
+
+  needs_hidden: whether it reads ``DartState.draft_hidden``.
+  num_nodes: N, the draft nodes of every tree it builds (static).
+  Called as ``builder(target_model, head, state)`` with the merged target and
+  head modules; returns a batched ``Tree`` of depth <= D+1 (target ids).
+  """
+
+  needs_hidden: bool
+  num_nodes: int
+
+  def __call__(self, target_model, head, state: DartState): ...
+
+
+def root_tokens(state: DartState) -> jax.Array:
+  """The root of each sequence (the last emitted token): [B] int32."""
+  return jnp.take_along_axis(state.history, state.cache.lengths[:, None], axis=1)[:, 0]
 
 
 def context_window(history: jax.Array, root_pos: jax.Array, size: int
@@ -62,19 +92,23 @@ def search_trees(draft_logits, history, root_pos, ngram, d2t, tree_config: TreeC
 
 
 def _draft(target_model, head, taps, next_tokens, num_real, draft_cache, advance,
-           attend_len, attn_impl):
-  """Runs the head on new real positions; returns (logits, advanced cache)."""
+           attend_len, attn_impl, with_hidden=False):
+  """Runs the head on new real positions; returns (logits, hidden or None,
+  advanced cache)."""
   embeds = target_model.embed(next_tokens)
-  logits, draft_cache = head(taps, embeds, num_real, draft_cache, attend_len=attend_len,
-                             attn_impl=attn_impl)
-  return logits, draft_cache.replace(lengths=draft_cache.lengths + advance)
+  hidden, draft_cache = head.levels(taps, embeds, num_real, draft_cache,
+                                    attend_len=attend_len, attn_impl=attn_impl)
+  return (head.logits(hidden), hidden if with_hidden else None,
+          draft_cache.replace(lengths=draft_cache.lengths + advance))
 
 
 @functools.partial(
-    jax.jit, static_argnames=("target_graphdef", "head_graphdef", "sampling", "attn_impl"),
+    jax.jit, static_argnames=("target_graphdef", "head_graphdef", "sampling", "attn_impl",
+                              "with_hidden"),
     donate_argnames=("cache", "draft_cache"))
 def dart_prefill(target_graphdef, target_params, head_graphdef, head_params, cache,
-                 draft_cache, tokens, prompt_lens, key, *, sampling, attn_impl):
+                 draft_cache, tokens, prompt_lens, key, *, sampling, attn_impl,
+                 with_hidden=False):
   """Prefills target and head; returns (first tokens [B], DartState)."""
   head = nnx.merge(head_graphdef, head_params)
   c = head.config
@@ -88,13 +122,14 @@ def dart_prefill(target_graphdef, target_params, head_graphdef, head_params, cac
   shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((batch, 1), tokens.dtype)], 1)
   next_tokens = jnp.where(col == (prompt_lens - 1)[:, None], first[:, None], shifted)
   target_model = nnx.merge(target_graphdef, target_params)
-  draft_logits, draft_cache = _draft(target_model, head, taps, next_tokens, prompt_lens,
-                                     draft_cache, prompt_lens, 1, attn_impl)
+  draft_logits, draft_hidden, draft_cache = _draft(
+      target_model, head, taps, next_tokens, prompt_lens, draft_cache, prompt_lens, 1,
+      attn_impl, with_hidden)
   history_cap = cache.capacity + c.draft_length + 2
   history = jnp.zeros((batch, history_cap), jnp.int32)
   history = layers.write_rows(history, tokens, jnp.zeros((batch,), jnp.int32))
   history = layers.write_rows(history, first[:, None], prompt_lens)
-  return first, DartState(cache, draft_cache, history, draft_logits)
+  return first, DartState(cache, draft_cache, history, draft_logits, draft_hidden)
 
 
 def _verify(target_graphdef, target_params, cache, tree, *, attend_len, taps, attn_impl):
@@ -116,15 +151,20 @@ def _accept(tree, out, history, active, key, *, sampling, max_depth):
 
 
 def _draft_next(target_graphdef, head_graphdef, target_params, head_params, acc, path_taps,
-                draft_cache, advance, *, attend_len, attn_impl):
+                draft_cache, advance, *, attend_len, attn_impl, with_hidden):
   """The head drafts the next round from the accepted path's taps."""
   target_model = nnx.merge(target_graphdef, target_params)
   head = nnx.merge(head_graphdef, head_params)
   return _draft(target_model, head, path_taps, acc.new_tokens, acc.num_new, draft_cache,
-                advance, attend_len, attn_impl)
+                advance, attend_len, attn_impl, with_hidden)
 
 
-def _search(head_params, ngram, state, *, tree_config, context_size):
+def _search(target_graphdef, head_graphdef, target_params, head_params, ngram, state, *,
+            tree_config, context_size, builder):
+  """The round's tree: DART's search, or ``builder``'s when one is given."""
+  if builder is not None:
+    return builder(nnx.merge(target_graphdef, target_params),
+                   nnx.merge(head_graphdef, head_params), state)
   return search_trees(state.draft_logits, state.history, state.cache.lengths, ngram,
                       head_params["d2t"][...], tree_config, context_size)
 
@@ -136,30 +176,36 @@ def _no_wrap(name, fn):
 
 def _round(target_graphdef, target_params, head_graphdef, head_params, ngram, state,
            active, key, *, tree_config, sampling, attend_len, attn_impl, context_size,
-           wrap=_no_wrap):
+           builder: TreeBuilder | None = None, wrap=_no_wrap):
   """One DART round, phase by phase; ``wrap(name, fn)`` may wrap each phase (the
-  profile mode jits and times them one by one)."""
+  profile mode jits and times them one by one). ``builder`` replaces DART's
+  search (``tree_config``, ``context_size`` and ``ngram`` are then unused)."""
   head_config = nnx.merge(head_graphdef, head_params).config
-  search = functools.partial(_search, tree_config=tree_config, context_size=context_size)
+  with_hidden = builder is not None and builder.needs_hidden
+  search = functools.partial(_search, target_graphdef, head_graphdef,
+                             tree_config=tree_config, context_size=context_size,
+                             builder=builder)
   verify = functools.partial(_verify, target_graphdef, attend_len=attend_len,
                              taps=head_config.tap_layers, attn_impl=attn_impl)
   accept = functools.partial(_accept, sampling=sampling,
                              max_depth=head_config.draft_length + 1)
   draft = functools.partial(_draft_next, target_graphdef, head_graphdef,
-                            attend_len=attend_len, attn_impl=attn_impl)
-  tree = wrap("search", search)(head_params, ngram, state)
+                            attend_len=attend_len, attn_impl=attn_impl,
+                            with_hidden=with_hidden)
+  tree = wrap("search", search)(target_params, head_params, ngram, state)
   out = wrap("verify", verify)(target_params, state.cache, tree)
   acc, cache, history, advance, path_taps = wrap("accept", accept)(
       tree, out, state.history, active, key)
-  draft_logits, draft_cache = wrap("draft", draft)(
+  draft_logits, draft_hidden, draft_cache = wrap("draft", draft)(
       target_params, head_params, acc, path_taps, state.draft_cache, advance)
-  return DartState(cache, draft_cache, history, draft_logits), acc.new_tokens, acc.num_new
+  return (DartState(cache, draft_cache, history, draft_logits, draft_hidden),
+          acc.new_tokens, acc.num_new)
 
 
 dart_round = jax.jit(
     _round,
     static_argnames=("target_graphdef", "head_graphdef", "tree_config", "sampling",
-                     "attend_len", "attn_impl", "context_size", "wrap"),
+                     "attend_len", "attn_impl", "context_size", "builder", "wrap"),
     donate_argnames=("state",))
 
 
@@ -167,8 +213,11 @@ _PHASE_FNS = {}  # profile mode: compiled phases by (name, static configuration)
 
 
 class DartDecoder:
-  """``generate``'s decoder for ``draft=DartHead``.
+  """``generate``'s decoder for ``draft=DartHead`` (and DART-GRU drafters).
 
+  builder: a ``TreeBuilder`` replacing DART's search (then ``ngram`` and
+  ``tree`` must be None); ``head`` may then be any drafter whose module runs
+  like a DART head (``levels`` / ``logits``; DART-GRU's).
   profile=True runs each round's phases (search, verify, accept, draft) as
   separately compiled calls and accumulates their seconds in ``phase_s``; the
   fused round is what normal decoding runs (slightly faster than the sum).
@@ -176,15 +225,21 @@ class DartDecoder:
 
   def __init__(self, target: Target, head: DartHead, *, sampling: SamplingConfig,
                seed: int = 0, ngram=None, tree: TreeConfig | None = None,
-               profile: bool = False):
+               profile: bool = False, builder: TreeBuilder | None = None):
     head.check_target(target)
     self.target, self.head = target, head
     self.sampling = sampling
-    self.tree_config = tree or TreeConfig()
+    self.builder = builder
+    if builder is not None and (ngram is not None or tree is not None):
+      raise InputError("this drafter builds its own trees: drop ngram=... and pass its "
+                       "tree options instead")
+    self.tree_config = None if builder is not None else (tree or TreeConfig())
     self.table = _as_table(ngram)
     order = getattr(self.table, "order", 2) if self.table is not None else 2
     self.context_size = max(order - 1, 1)
-    self.scratch_rows = self.tree_config.remain_total + 1
+    self.scratch_rows = (builder.num_nodes if builder is not None
+                         else self.tree_config.remain_total) + 1
+    self.with_hidden = builder is not None and builder.needs_hidden
     self.key = jax.random.PRNGKey(seed)
     self.profile = profile
     self.phase_s = {}
@@ -206,14 +261,15 @@ class DartDecoder:
                                  h.config.head_dim, t.dtype)
     first, state = dart_prefill(
         t.graphdef, t.params, h.graphdef, h.params, cache, draft_cache, tokens,
-        prompt_lens, self._next_key(), sampling=self.sampling, attn_impl=t.attn_impl)
+        prompt_lens, self._next_key(), sampling=self.sampling, attn_impl=t.attn_impl,
+        with_hidden=self.with_hidden)
     return state, first
 
   def step(self, state, active, attend_len):
     t, h = self.target, self.head
     static = dict(tree_config=self.tree_config, sampling=self.sampling,
                   attend_len=attend_len, attn_impl=t.attn_impl,
-                  context_size=self.context_size)
+                  context_size=self.context_size, builder=self.builder)
     args = (t.graphdef, t.params, h.graphdef, h.params, self.table, state, active,
             self._next_key())
     if not self.profile:

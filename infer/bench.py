@@ -7,6 +7,8 @@
   python -m infer.bench --method ar,dart,dflash-chain,domino-chain,ddtree,dartree-fixed,dartree \\
       --draft /path/to/dart --domino /path/to/domino [--dflash /path/to/dflash] \\
       [--dartree-budget 64 --dartree-width 12 --dartree-topk 64 --dartree-depth-bonus -0.2]
+  python -m infer.bench --method ar,dart,dart-gru,dart-gru-fixed --dart-gru /path/to/dart_gru \
+      [--dartree-budget 16 --dartree-width 4 --dartree-topk 8]
 
 Methods:
   ar    plain autoregressive decoding with ``dart_jax.generate`` (the reference).
@@ -25,6 +27,13 @@ Methods:
         drafter (``--drafter-*`` size options) that serves all five methods
         (timing and smoke runs only: random drafts are almost never accepted).
         The method names are ``dart_jax.generate``'s ``tree=`` names.
+  dart-gru, dart-gru-fixed, dart-gru-chain
+        DART-GRU (``dart_jax.draft.dart_gru``): a DART head's levels corrected by a
+        GRU head, trees built the DARTree way (pruned / fixed quota / the
+        corrected greedy chain; the same ``--dartree-*`` options), verified as in
+        DART. Drafter: ``--dart-gru DIR`` (``load_dart_gru``), or ``random``: a
+        random DART head of ``--draft-length`` D (``--draft-vocab-size``) with a
+        random correction (``--drafter-emb-dim``, ``--drafter-gru-dim``; timing only).
   hf    transformers (torch, CPU) ``generate`` of the same model, when torch and
         transformers are importable (skipped with a message otherwise; the
         project itself never needs torch). torch runs ``--hf-threads`` threads
@@ -82,7 +91,7 @@ import jax
 import dart_jax as dj
 from dart_jax.errors import InputError
 from dart_jax.generate import encode_prompts, stop_token_ids
-from dart_jax.tree.dartree import DARTreeConfig, num_tree_nodes
+from dart_jax.tree.dartree import DARTreeConfig, num_tree_nodes, resolve_method
 from infer import datasets
 from infer import tree_budget as tb
 
@@ -92,9 +101,13 @@ from infer import tree_budget as tb
 DARTREE_METHODS = ("dflash-chain", "domino-chain", "ddtree", "dartree-fixed", "dartree")
 DFLASH_METHODS = ("dflash-chain", "ddtree")
 DOMINO_METHODS = ("domino-chain", "dartree-fixed", "dartree")
-METHODS = ("ar", "dart") + DARTREE_METHODS + ("hf",)
+# DART-GRU methods -> ``generate``'s ``tree=`` name for a DART-GRU drafter.
+DART_GRU_TREES = {"dart-gru": "dartree", "dart-gru-fixed": "dartree-fixed",
+                  "dart-gru-chain": "chain"}
+DART_GRU_METHODS = tuple(DART_GRU_TREES)
+METHODS = ("ar", "dart") + DARTREE_METHODS + DART_GRU_METHODS + ("hf",)
 # Speculative methods whose greedy output must equal AR's token for token.
-LOSSLESS_METHODS = ("dart",) + DARTREE_METHODS
+LOSSLESS_METHODS = ("dart",) + DARTREE_METHODS + DART_GRU_METHODS
 PHASES = ("search", "verify", "accept", "draft")
 GREEDY_MISMATCH_EXIT = 3
 MAX_COLD_RETRIES = 2
@@ -533,7 +546,7 @@ def _fmt(value, spec: str = ".2f", none: str = "-") -> str:
 def format_table(runs: list[dict]) -> str:
   """A readable summary table of every (dataset, temperature) run."""
   lines = []
-  head = (f"{'dataset':<10} {'T':>4} {'method':<13} {'prompts':>7} {'tok/s':>8} "
+  head = (f"{'dataset':<10} {'T':>4} {'method':<14} {'prompts':>7} {'tok/s':>8} "
           f"{'tok/s med':>9} {'speedup':>8} {'spd med':>8} {'acc len':>8} {'greedy=AR':>10}")
   lines += [head, "-" * len(head)]
   for run in runs:
@@ -544,19 +557,19 @@ def format_table(runs: list[dict]) -> str:
       match = (f"{m['matches_ar']}/{m['compared']}" if "matches_ar" in m and s["greedy"]
                else "")
       lines.append(
-          f"{run['dataset']:<10} {run['temperature']:>4g} {name:<13} {m['prompts']:>7} "
+          f"{run['dataset']:<10} {run['temperature']:>4g} {name:<14} {m['prompts']:>7} "
           f"{_fmt(m['tokens_per_s'], '.1f'):>8} {_fmt(m['tokens_per_s_median'], '.1f'):>9} "
           f"{_fmt(m.get('speedup_vs_ar'), '.2f') + ('x' if m.get('speedup_vs_ar') else ''):>8} "
           f"{_fmt(m.get('speedup_vs_ar_median'), '.2f'):>8} "
           f"{_fmt(m['mean_accept_len'], '.2f'):>8} {match:>10}")
     if "hf" in s and s["hf"].get("ar_over_hf") is not None:
-      lines.append(f"{'':<23} ours (ar) / hf tokens/s: {s['hf']['ar_over_hf']:.2f}x "
+      lines.append(f"{'':<24} ours (ar) / hf tokens/s: {s['hf']['ar_over_hf']:.2f}x "
                    f"(median per prompt {_fmt(s['hf']['ar_over_hf_median'])}x)")
     prof = s.get("dart_profile")
     if prof:
       ph = prof["phase_ms_per_round"]
       lines.append(
-          f"{'':<23} dart ms/round: search {ph['search']:.1f}, verify {ph['verify']:.1f}, "
+          f"{'':<24} dart ms/round: search {ph['search']:.1f}, verify {ph['verify']:.1f}, "
           f"accept {ph['accept']:.1f}, draft {ph['draft']:.1f} (sum {prof['phased_round_ms']:.1f}); "
           f"ar ms/step {_fmt(prof['ar_ms_per_step'], '.1f')}")
   return "\n".join(lines)
@@ -703,6 +716,11 @@ def add_dartree_args(p: argparse.ArgumentParser) -> None:
   g.add_argument("--dartree-depth-bonus", type=float, default=None,
                  help=f"dartree (pruned): per-depth bonus of the final ranking, <= 0 "
                       f"(default {defaults.depth_bonus})")
+  g.add_argument("--dart-gru", default=None, metavar="DIR",
+                 help=f"DART-GRU drafter directory (load_dart_gru) for "
+                      f"{', '.join(DART_GRU_METHODS)}, or 'random' (a random DART head of "
+                      "--draft-length with a random correction; timing only); trees "
+                      "take the --dartree-* options")
 
 
 _DARTREE_OPTIONS = (("topk", "dartree_topk"), ("supertree_width", "dartree_width"),
@@ -713,7 +731,8 @@ def dartree_options_given(args) -> list[str]:
   """The ``--dartree-*`` / drafter flags set on the command line."""
   given = [f"--{dest.replace('_', '-')}" for _, dest in _DARTREE_OPTIONS
            if getattr(args, dest) is not None]
-  return given + [f"--{name}" for name in ("dflash", "domino", "drafter")
+  return given + [f"--{name.replace('_', '-')}"
+                  for name in ("dflash", "domino", "drafter", "dart_gru")
                   if getattr(args, name) is not None]
 
 
@@ -790,6 +809,25 @@ def load_drafters(args, target, methods: Sequence[str]) -> dict[str, tuple[Any, 
   return out
 
 
+def load_dart_gru_args(args, target, methods: Sequence[str]):
+  """The DART-GRU drafter for the dart-gru methods among ``methods`` (None if
+  there are none): ``--dart-gru DIR`` or ``random``. Raises InputError without it."""
+  wanted = [m for m in methods if m in DART_GRU_METHODS]
+  if not wanted:
+    return None
+  if not args.dart_gru:
+    raise InputError(f"--method {','.join(wanted)} needs a DART-GRU drafter: --dart-gru "
+                     "DIR (a train.main head.kind=dart_gru export), or --dart-gru random "
+                     "(timing only)")
+  if args.dart_gru != "random":
+    return dj.load_dart_gru(args.dart_gru, target)
+  head = dj.DartHead.init(target, draft_length=getattr(args, "draft_length", 4),
+                          draft_vocab_size=getattr(args, "draft_vocab_size", None),
+                          seed=args.seed)
+  return dj.DartGruDrafter.from_head(head, emb_dim=args.drafter_emb_dim,
+                                     gru_hidden_dim=args.drafter_gru_dim, seed=args.seed)
+
+
 def load_dart_args(args, target) -> tuple[Any, Any]:
   """(DART head, N-gram or None) from ``--draft`` / ``--ngram``.
 
@@ -857,7 +895,11 @@ def run_benchmark(args, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
   if args.profile and "dart" not in methods:
     raise InputError("--profile times DART's phases: add dart to --method")
   check_drafter_args(args, methods)
-  tree_config = dartree_config(args) if any(m in DARTREE_METHODS for m in methods) else None
+  if any(m in DART_GRU_METHODS for m in methods) and not args.dart_gru:
+    raise InputError(f"--method {','.join(m for m in methods if m in DART_GRU_METHODS)} "
+                     "needs --dart-gru DIR (or --dart-gru random, timing only)")
+  tree_config = (dartree_config(args) if any(m in DARTREE_METHODS + DART_GRU_METHODS
+                                             for m in methods) else None)
 
   target = dj.load_target(args.model)
   if target.tokenizer is None:
@@ -875,6 +917,18 @@ def run_benchmark(args, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
       dartree_info["methods"][m] = {
           "drafter": source, "domino": drafter.domino, "block_size": c.block_size,
           "nodes": num_tree_nodes(m, tree_config, c.num_depths, c.vocab_size)}
+  dart_gru = load_dart_gru_args(args, target, methods)
+  dart_gru_info = None
+  if dart_gru is not None:
+    c = dart_gru.config
+    dart_gru_info = {"drafter": str(args.dart_gru), "config": dataclasses.asdict(tree_config),
+                     "draft_length": c.draft_length, "draft_vocab_size": c.draft_vocab_size,
+                     "emb_dim": c.emb_dim, "gru_hidden_dim": c.gru_hidden_dim, "methods": {}}
+    for m in (m for m in methods if m in DART_GRU_METHODS):
+      tree = DART_GRU_TREES[m]
+      runners[m] = JaxMethod(target, draft=dart_gru, tree=tree, tree_config=tree_config)
+      dart_gru_info["methods"][m] = {"tree": tree, "nodes": num_tree_nodes(
+          resolve_method(tree, True), tree_config, c.num_levels, c.draft_vocab_size)}
   if "dart" in methods:
     head, ngram = load_dart_args(args, target)
     tree, tree_info = tree_config_from_args(args, target, head, ngram, log)
@@ -915,7 +969,8 @@ def run_benchmark(args, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
   config = {k: v for k, v in vars(args).items()}
   config["methods_run"] = list(runners)
   return {"config": config, "environment": _environment(), "tree": tree_info,
-          "dartree": dartree_info, "skipped": skipped, "runs": runs,
+          "dartree": dartree_info, "dart_gru": dart_gru_info, "skipped": skipped,
+          "runs": runs,
           "greedy_mismatches": greedy_mismatches(runs)}
 
 

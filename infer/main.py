@@ -4,7 +4,8 @@ Streams the answer of the target model (the embedded SmolLM2-135M-Instruct by
 default), plainly or with speculative decoding: DART (``--draft``) or a DARTree
 method (``--method dartree|dartree-fixed|ddtree|dflash-chain|domino-chain`` with
 ``--domino`` / ``--dflash`` drafters; see ``infer.bench`` for which drafter
-serves which method). Speculative decoding gives the same output, faster.
+serves which method) or DART-GRU (``--method dart-gru|dart-gru-fixed|dart-gru-chain``
+with ``--dart-gru DIR``). Speculative decoding gives the same output, faster.
 """
 
 import argparse
@@ -13,7 +14,7 @@ import sys
 import dart_jax as dj
 from infer import bench
 
-METHODS = ("ar", "dart") + bench.DARTREE_METHODS
+METHODS = ("ar", "dart") + bench.DARTREE_METHODS + bench.DART_GRU_METHODS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--method", "--tree", default=None, choices=METHODS,
                  help="decoding method (dart_jax.generate's tree= names for DARTree); "
                       "default: dart with --draft/--ngram/--tree-budget, dartree with "
-                      "--domino or --drafter random, ddtree with only --dflash, else ar. "
+                      "--domino or --drafter random, ddtree with only --dflash, dart-gru "
+                      "with --dart-gru, else ar. "
                       "--method dart on the embedded target uses the shipped head")
   p.add_argument("--draft", default=None,
                  help="DART head directory (reference format); enables DART (default "
@@ -57,6 +59,8 @@ def choose_method(args) -> str:
   if method is None:
     if args.draft or args.ngram or args.tree_budget:
       method = "dart"
+    elif args.dart_gru:
+      method = "dart-gru"
     elif args.domino or args.drafter:
       method = "dartree"
     elif args.dflash:
@@ -80,8 +84,18 @@ def choose_method(args) -> str:
                           "dart takes --draft, --ngram and --tree-budget")
   elif dart_flags:
     raise dj.InputError(f"{', '.join(dart_flags)} are DART options; --method {method} "
-                        "takes --domino / --dflash / --drafter random and --dartree-*")
+                        "takes --domino / --dflash / --drafter random (DART-GRU: "
+                        "--dart-gru) and --dartree-*")
+  elif method in bench.DART_GRU_METHODS:
+    others = [f for f in dartree_flags if f in ("--dflash", "--domino", "--drafter")]
+    if others:
+      raise dj.InputError(f"{', '.join(others)}: DARTree drafters; --method {method} "
+                          "takes --dart-gru DIR and --dartree-*")
+    if not args.dart_gru:
+      raise dj.InputError(f"--method {method} needs --dart-gru DIR (or random)")
   else:
+    if args.dart_gru:
+      raise dj.InputError(f"--dart-gru is for the DART-GRU methods, not --method {method}")
     bench.check_drafter_args(args, [method])
   return method
 
@@ -90,13 +104,17 @@ def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
   try:
     method = choose_method(args)
-    tree_config = bench.dartree_config(args) if method in bench.DARTREE_METHODS else None
+    tree_config = (bench.dartree_config(args)
+                   if method in bench.DARTREE_METHODS + bench.DART_GRU_METHODS else None)
     target = dj.load_target(args.model)
     kwargs = {}
     if method == "dart":
       kwargs["draft"], kwargs["ngram"] = bench.load_dart_args(args, target)
       if args.tree_budget:
         kwargs["tree"] = dj.tree.TreeConfig(remain_total=args.tree_budget)
+    elif method in bench.DART_GRU_METHODS:
+      kwargs.update(draft=bench.load_dart_gru_args(args, target, [method]),
+                    tree=bench.DART_GRU_TREES[method], tree_config=tree_config)
     elif tree_config is not None:
       drafter, _ = bench.load_drafters(args, target, [method])[method]
       kwargs.update(draft=drafter, tree=method, tree_config=tree_config)

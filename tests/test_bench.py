@@ -328,8 +328,10 @@ def test_cli_rejects_bad_arguments(capsys):
 def test_dartree_method_names_are_generates_tree_names():
   assert set(bench.DARTREE_METHODS) == set(TREE_METHODS)
   assert set(bench.DOMINO_METHODS) == set(CORRECTED_METHODS)
-  assert set(bench.LOSSLESS_METHODS) == {"dart"} | set(TREE_METHODS)
+  assert set(bench.LOSSLESS_METHODS) == ({"dart"} | set(TREE_METHODS)
+                                         | {"dart-gru", "dart-gru-fixed", "dart-gru-chain"})
   assert set(bench.METHODS) == {"ar", "hf"} | set(bench.LOSSLESS_METHODS)
+  assert set(bench.DART_GRU_TREES.values()) <= set(TREE_METHODS) | {"chain"}
 
 
 def test_greedy_mismatches_are_strict_for_every_speculative_method():
@@ -382,6 +384,34 @@ def test_cli_runs_every_method_lossless_with_random_drafters(tmp_path, capsys):
       assert summary[key] is not None, (m, key)
     assert (summary["matches_ar"], summary["compared"]) == (1, 1), m
     assert f" {m} " in stdout
+
+
+def test_cli_runs_dart_gru_lossless_with_a_random_drafter(tmp_path, capsys):
+  """tiny_llama, one HumanEval prompt, T=0: DART-GRU's pruned tree and chain on a
+  random DART head + correction emit AR's tokens; without --dart-gru: exit 2."""
+  out_json = tmp_path / "bench.json"
+  methods = ["ar", "dart-gru", "dart-gru-chain"]
+  common = ["--dataset", "humaneval", "--limit", "1", "--max-new-tokens",
+            str(MAX_NEW_TOKENS), "--model", str(FIXTURES / "tiny_llama"), "--no-progress",
+            "--dartree-topk", "2", "--dartree-width", "2", "--dartree-budget", "3"]
+  assert bench.main(["--method", ",".join(methods), *common, "--dart-gru", "random",
+                     "--draft-length", str(DRAFT_LENGTH), "--json", str(out_json)]) == 0
+  result = json.loads(out_json.read_text())
+  assert result["config"]["methods_run"] == methods
+  assert result["greedy_mismatches"] == []
+  info = result["dart_gru"]
+  assert (info["drafter"], info["draft_length"]) == ("random", DRAFT_LENGTH)
+  # D+1 = 3 levels: the chain has 3 nodes; the pruned tree the budget of 3.
+  assert info["methods"] == {"dart-gru": {"tree": "dartree", "nodes": 3},
+                             "dart-gru-chain": {"tree": "chain", "nodes": 3}}
+  (row,) = result["runs"][0]["prompts"]
+  for m in methods[1:]:
+    rec = row["methods"][m]
+    assert rec["matches_ar"] is True and rec["tokens"] == row["methods"]["ar"]["tokens"], m
+    assert 1.0 <= rec["accept_len"] <= 4.0, m
+  assert " dart-gru-chain " in capsys.readouterr().out
+  assert bench.main(["--method", "ar,dart-gru", *common]) == 2
+  assert "needs --dart-gru" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

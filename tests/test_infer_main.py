@@ -64,6 +64,10 @@ def test_cli_dartree_method_streams_the_ar_text(capsys):
     (["--method", "dart", "--model", "some_dir"], "needs --draft"),
     (["--dartree-budget", "4"], "--dartree-budget: only for speculative decoding"),
     (["--drafter", "random", "--dartree-depth-bonus", "1"], "depth_bonus must be <= 0"),
+    (["--method", "dart-gru-fixed"], "needs --dart-gru DIR"),
+    (["--dart-gru", "g", "--domino", "d"], "--domino: DARTree drafters"),
+    (["--dart-gru", "g", "--method", "dartree"], "--dart-gru is for the DART-GRU methods"),
+    (["--draft", "h", "--dart-gru", "g"], "--dart-gru are DARTree options"),
 ])
 def test_cli_rejects_bad_method_options(argv, message, capsys):
   # Caught before the (default, embedded) target loads.

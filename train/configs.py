@@ -4,7 +4,8 @@ A config is a frozen ``TrainConfig`` made of sections (``target``, ``head``,
 ``dflash``, ``data``, ``loss``, ``optim``, ``mesh``) plus top-level run settings.
 ``head.kind`` picks the drafter: "dart" (a DART head, ``head`` section), "dflash"
 or "domino" (a DFlash drafter, with the Domino correction head for "domino";
-``dflash`` section). Select one with ``--config NAME_OR_FILE``: a preset name
+``dflash`` section), or "dart_gru" (a GRU correction trained on a frozen DART
+head: ``head.init_from``, ``head.emb_dim``, ``head.gru_hidden_dim``). Select one with ``--config NAME_OR_FILE``: a preset name
 (see ``PRESETS``) or a JSON file whose nested keys mirror the dataclasses and
 may name a preset to start from with ``"base": "tiny"``. Overrides use dotted
 keys: ``optim.learning_rate=1e-3 steps=200 data.train=a.jsonl,b.jsonl``.
@@ -29,7 +30,7 @@ TINY_TARGET = os.path.join(SAMPLE_DATA_DIR, "tiny_target")
 # SmolLM2-135M-Instruct's own answers to train.prompts (seed 0), see the preset.
 SMOLLM2_SELF_DISTILLED = os.path.join(SAMPLE_DATA_DIR, "smollm2_self_distilled.jsonl")
 REQUIRED = "REQUIRED"  # A path the user must set (no sensible default exists).
-DRAFTER_KINDS = ("dart", "dflash", "domino")
+DRAFTER_KINDS = ("dart", "dflash", "domino", "dart_gru")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +50,15 @@ class HeadSection:
   """Which drafter is trained, and the DART head's shape.
 
   kind: "dart" (a DART head, the fields below), "dflash" or "domino" (a DFlash
-    drafter without / with the Domino correction head: the ``dflash`` section).
+    drafter without / with the Domino correction head: the ``dflash`` section),
+    "dart_gru" (a GRU correction of a frozen DART head's levels).
   draft_length: D mask slots (D+1 draft levels).
   draft_vocab_size: Vd; 0 = the whole target vocabulary.
-  init_from: a DART head directory to continue from (reference format).
+  init_from: a DART head directory to continue from (reference format). For
+    dart_gru: the frozen head to correct (default: the head shipped for the
+    embedded target), or a DART-GRU directory to continue; the head fixes D
+    and Vd (``draft_length`` / ``draft_vocab_size`` are then unused).
+  emb_dim, gru_hidden_dim: dart_gru: the correction's E and G.
   """
 
   kind: str = "dart"
@@ -60,6 +66,8 @@ class HeadSection:
   draft_vocab_size: int = 16384
   double_norm: bool = True
   init_from: str | None = None
+  emb_dim: int = 128
+  gru_hidden_dim: int = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,6 +222,13 @@ class TrainConfig:
     if not 0 <= self.data.eval_fraction < 1:
       raise ConfigError(f"data.eval_fraction must be in [0, 1), got "
                         f"{self.data.eval_fraction}")
+    if self.head.kind == "dart_gru":
+      for name in ("emb_dim", "gru_hidden_dim"):
+        if getattr(self.head, name) < 1:
+          raise ConfigError(f"head.{name} must be >= 1, got {getattr(self.head, name)}")
+      if self.data.max_len < 4:
+        raise ConfigError(f"data.max_len={self.data.max_len} is too short for DART-GRU")
+      return
     if self.head.kind == "dart":
       if self.head.draft_length < 1:
         raise ConfigError(f"head.draft_length must be >= 1, got {self.head.draft_length}")
@@ -306,18 +321,21 @@ PRESETS.update({
         loss=LossSection(num_anchors=32, domino_anneal=0.5),
         optim=OptimSection(learning_rate=2e-2, warmup_steps=10, end_lr_ratio=0.1,
                            clip_norm=1.0)),
-    # A Domino drafter for SmolLM2-135M-Instruct (30 layers, hidden 576): two
-    # draft layers reading 5 target layers (1, 8, 14, 20, 27), block of 8.
-    # Regenerate the data with the target first (see smollm2_dart).
+    # A Domino drafter for SmolLM2-135M-Instruct (30 layers, hidden 576) on a
+    # 2-core CPU budget, on the same bundled self-distilled data as smollm2_dart:
+    # one draft layer reading target layers 1, 14, 27 (DFlash's rule for 3 taps),
+    # block of 6 = 5 draft depths (DART's D). On a TPU/GPU raise steps,
+    # batch_size, max_len, num_layers and block_size with the amount of data.
     "smollm2_domino": TrainConfig(
         target=TargetSection(path=None),
         head=HeadSection(kind="domino"),
-        dflash=DFlashSection(block_size=8, num_layers=2, num_taps=5, emb_dim=128,
-                             gru_hidden_dim=512),
-        data=DataSection(max_len=1024),
-        loss=LossSection(num_anchors=128, domino_anneal=0.5),
-        optim=OptimSection(learning_rate=6e-4, warmup_steps=500),
-        steps=20000, batch_size=32, eval_every=1000, checkpoint_every=1000,
+        dflash=DFlashSection(block_size=6, num_layers=1, num_taps=3, emb_dim=128,
+                             gru_hidden_dim=256),
+        data=DataSection(train=(SMOLLM2_SELF_DISTILLED,), max_len=512, eval_fraction=0.05),
+        loss=LossSection(num_anchors=32, domino_anneal=0.5),
+        optim=OptimSection(learning_rate=1e-3, warmup_steps=10, end_lr_ratio=0.1),
+        steps=150, batch_size=4, log_every=5, eval_every=75, eval_batches=2,
+        checkpoint_every=25,
     ),
     # Qwen3-8B (36 layers) on a TPU pod slice, the released drafters' shape: 5
     # layers reading target layers 1, 9, 17, 25, 33, block of 16. Domino:
@@ -338,6 +356,27 @@ PRESETS.update({
 PRESETS["qwen3_8b_domino"] = dataclasses.replace(
     PRESETS["qwen3_8b_dflash"], head=HeadSection(kind="domino"),
     dflash=DFlashSection(block_size=16, num_layers=5, emb_dim=256, gru_hidden_dim=1024))
+PRESETS.update({
+    # DART-GRU: a GRU correction of a frozen DART head's levels. Tiny target: set
+    # head.init_from=DIR to a DART head for it (e.g. the export of --config tiny).
+    "tiny_dart_gru": dataclasses.replace(
+        _TINY, head=HeadSection(kind="dart_gru", emb_dim=32, gru_hidden_dim=32),
+        loss=LossSection(num_anchors=32),
+        optim=OptimSection(learning_rate=1e-2, warmup_steps=10, end_lr_ratio=0.1,
+                           clip_norm=1.0)),
+    # SmolLM2-135M-Instruct: the correction (E=128, G=256) of the head shipped in
+    # dart_jax/assets/smollm2_135m (default head.init_from), on the same bundled
+    # self-distilled data and CPU budget as smollm2_dart.
+    "smollm2_dart_gru": TrainConfig(
+        target=TargetSection(path=None),
+        head=HeadSection(kind="dart_gru", emb_dim=128, gru_hidden_dim=256),
+        data=DataSection(train=(SMOLLM2_SELF_DISTILLED,), max_len=512, eval_fraction=0.05),
+        loss=LossSection(num_anchors=64),
+        optim=OptimSection(learning_rate=1e-3, warmup_steps=10, end_lr_ratio=0.1),
+        steps=80, batch_size=4, log_every=5, eval_every=40, eval_batches=2,
+        checkpoint_every=20,
+    ),
+})
 
 
 def _field_types(cls) -> dict[str, Any]:

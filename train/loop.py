@@ -1,12 +1,15 @@
 """The training loop: jitted train step, evaluation, Orbax checkpoints, export.
 
 One loop for every drafter kind (``head.kind``): a DART head (objective in
-``train/losses.py``, exported with ``save_dart``) or a DFlash drafter with or
+``train/losses.py``, exported with ``save_dart``), a DFlash drafter with or
 without the Domino head (``train/dflash_losses.py``, exported with
-``save_dflash`` in the released format).
+``save_dflash`` in the released format), or a GRU correction on a frozen DART
+head (``dart_gru``: ``train/dart_gru_losses.py``, exported with
+``save_dart_gru``).
 
 State (a pytree, checkpointed whole): the drafter's trainable parameters and
-(DART) its ``d2t``/``t2d`` buffers as nested dicts, the Optax state, the step
+(DART) its ``d2t``/``t2d`` buffers as nested dicts (DART-GRU: the frozen DART
+head, whole, is the buffers), the Optax state, the step
 and the RNG key (anchor sampling). The data iterator's state is saved next to
 it as JSON, so a restarted run continues with exactly the batches and anchors
 it would have seen. The target is frozen: its parameters are an argument of the step, never
@@ -30,10 +33,13 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import dart_jax as dj
+from dart_jax.draft.dart_gru import (CORRECTION_CONFIG, CorrectionModule, DartGruConfig,
+                                     DartGruDrafter)
 from dart_jax.draft.dart_head import Buffer, DartConfig, DartHead, DartHeadModule
 from dart_jax.draft.dflash import (PROJECTOR_DOMINO, DFlashConfig, DFlashDrafter, DFlashModule,
                                    default_target_layer_ids)
 from dart_jax.errors import CheckpointError, ConfigError
+from train import dart_gru_losses
 from train import data as data_lib
 from train import dflash_losses
 from train import losses
@@ -49,12 +55,13 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 class StepSettings:
   """Everything static about a train step (hashable: one compile per setting).
 
-  head_config: a ``DartConfig`` (DART) or ``DFlashConfig`` (DFlash / Domino).
+  head_config: a ``DartConfig`` (DART), ``DFlashConfig`` (DFlash / Domino) or
+    ``DartGruConfig`` (DART-GRU).
   position_gamma: DFlash slot weights ``exp(-(k-1)/gamma)`` (resolved, > 0).
   anneal_steps: Domino's l goes 1 -> 0 over these steps.
   """
 
-  head_config: DartConfig | DFlashConfig
+  head_config: DartConfig | DFlashConfig | DartGruConfig
   num_anchors: int
   level_decay: float
   param_dtype: str
@@ -67,9 +74,11 @@ class StepSettings:
 
   @property
   def kind(self) -> str:
-    """"dart", "dflash" or "domino"."""
+    """"dart", "dflash", "domino" or "dart_gru"."""
     if isinstance(self.head_config, DFlashConfig):
       return "domino" if self.head_config.domino else "dflash"
+    if isinstance(self.head_config, DartGruConfig):
+      return "dart_gru"
     return "dart"
 
   def position_weights(self) -> np.ndarray:
@@ -127,10 +136,34 @@ def merge_drafter(config: DFlashConfig, params: dict, dtype=None) -> DFlashModul
   return nnx.merge(graphdef, abs_params)
 
 
-def head_from_state(config: DartConfig | DFlashConfig, state: dict
-                    ) -> DartHead | DFlashDrafter:
+def split_dart_gru(drafter: DartGruDrafter, param_dtype) -> tuple[dict, dict]:
+  """A DART-GRU drafter -> (the correction's params, {"dart": the frozen head's
+  (params, buffers)}) as nested dicts."""
+  params = jax.tree.map(lambda x: jnp.asarray(x, param_dtype),
+                        nnx.to_pure_dict(nnx.state(drafter.correction_module())))
+  dart_params, dart_buffers = split_head(drafter.dart_head(), param_dtype)
+  return params, {"dart": {"params": dart_params, "buffers": dart_buffers}}
+
+
+def merge_correction(config: DartGruConfig, params: dict, dtype=None) -> CorrectionModule:
+  """Nested dicts -> a ``CorrectionModule`` (works on tracers inside jit)."""
+  dtype = dtype or jax.tree.leaves(params)[0].dtype
+  abstract = nnx.eval_shape(lambda: CorrectionModule(config, rngs=nnx.Rngs(0),
+                                                     param_dtype=dtype))
+  graphdef, abs_params = nnx.split(abstract)
+  nnx.replace_by_pure_dict(abs_params, params)
+  return nnx.merge(graphdef, abs_params)
+
+
+def head_from_state(config: DartConfig | DFlashConfig | DartGruConfig, state: dict
+                    ) -> DartHead | DFlashDrafter | DartGruDrafter:
   """The trained head or drafter (host arrays) from a train state."""
   params = jax.tree.map(jnp.asarray, jax.device_get(state["params"]))
+  if isinstance(config, DartGruConfig):
+    dart = jax.tree.map(jnp.asarray, jax.device_get(state["buffers"]["dart"]))
+    return DartGruDrafter.from_modules(
+        config, merge_head(config.dart, dart["params"], dart["buffers"]),
+        merge_correction(config, params))
   if isinstance(config, DFlashConfig):
     graphdef, full = nnx.split(merge_drafter(config, params))
     return DFlashDrafter(config, graphdef, full)
@@ -161,6 +194,14 @@ def _forward(settings: StepSettings, target_graphdef, target_params, params, buf
   target_model = nnx.merge(target_graphdef, target_params)
   compute = (jax.tree.leaves(target_params)[0].dtype if settings.compute_dtype == "auto"
              else _DTYPES[settings.compute_dtype])
+  to_compute = lambda tree: jax.tree.map(lambda p: p.astype(compute), tree)
+  if settings.kind == "dart_gru":
+    frozen = buffers["dart"]
+    dart = merge_head(c.dart, to_compute(frozen["params"]), frozen["buffers"], compute)
+    return dart_gru_losses.forward(
+        dart, merge_correction(c, to_compute(params), compute), target_model, batch, key,
+        num_anchors=settings.num_anchors, level_decay=settings.level_decay,
+        attn_impl=settings.attn_impl)
   if settings.kind != "dart":
     drafter = merge_drafter(c, jax.tree.map(lambda p: p.astype(compute), params), compute)
     return dflash_losses.forward(
@@ -231,14 +272,18 @@ def summarize(settings: StepSettings, stats) -> dict:
   """Host-side metrics of summed stats for the settings' drafter kind."""
   if settings.kind == "dart":
     return losses.summarize(stats, settings.level_decay)
+  if settings.kind == "dart_gru":
+    return dart_gru_losses.summarize(stats, settings.level_decay)
   return dflash_losses.summarize(stats, settings.position_weights(),
                                  settings.kind == "domino")
 
 
-def init_state(head: DartHead | DFlashDrafter, settings: StepSettings, seed: int) -> dict:
+def init_state(head: DartHead | DFlashDrafter | DartGruDrafter, settings: StepSettings,
+               seed: int) -> dict:
   """A fresh train state. Arrays are copies: the step donates its state, and
   ``head`` must stay usable."""
-  split = split_drafter if isinstance(head, DFlashDrafter) else split_head
+  split = (split_drafter if isinstance(head, DFlashDrafter)
+           else split_dart_gru if isinstance(head, DartGruDrafter) else split_head)
   params, buffers = jax.tree.map(jnp.copy, split(head, _DTYPES[settings.param_dtype]))
   tx, _ = make_optimizer(settings.optim, settings.steps)
   return {"params": params, "buffers": buffers, "opt_state": tx.init(params),
@@ -310,7 +355,7 @@ class MetricsLog:
 class TrainResult:
   """What ``train`` returns: the final head or drafter, its state and the logged records."""
 
-  head: DartHead | DFlashDrafter
+  head: DartHead | DFlashDrafter | DartGruDrafter
   state: dict
   history: list
   export_dir: str | None
@@ -363,8 +408,31 @@ def _make_drafter(config: TrainConfig, target) -> DFlashDrafter:
       mask_token_id=None if dc.mask_token_id < 0 else dc.mask_token_id)
 
 
-def _make_head(config: TrainConfig, target, rows: data_lib.Rows) -> DartHead | DFlashDrafter:
+def _make_dart_gru(config: TrainConfig, target) -> DartGruDrafter:
+  """The frozen DART head (``head.init_from``, default the one shipped for the
+  embedded target) with a fresh correction, or a DART-GRU directory to continue."""
   hc = config.head
+  if hc.init_from and os.path.isfile(os.path.join(hc.init_from, CORRECTION_CONFIG)):
+    log.info("continuing from the DART-GRU drafter in %s", hc.init_from)
+    return dj.load_dart_gru(hc.init_from, target)
+  if hc.init_from:
+    head = dj.load_dart(hc.init_from, target)
+  elif config.target.path is None:
+    head = dj.load_dart(None, target)  # the head shipped for the embedded target
+  else:
+    raise ConfigError("head.kind=dart_gru corrects a trained DART head: set "
+                      "head.init_from=DIR (a DART head for this target, e.g. the export "
+                      "of a head.kind=dart run)")
+  log.info("correcting the frozen DART head from %s", hc.init_from or "dart_jax's assets")
+  return DartGruDrafter.from_head(head, emb_dim=hc.emb_dim, gru_hidden_dim=hc.gru_hidden_dim,
+                                  seed=config.seed)
+
+
+def _make_head(config: TrainConfig, target, rows: data_lib.Rows
+               ) -> DartHead | DFlashDrafter | DartGruDrafter:
+  hc = config.head
+  if hc.kind == "dart_gru":
+    return _make_dart_gru(config, target)
   if hc.kind != "dart":
     return _make_drafter(config, target)
   if hc.init_from:
@@ -530,6 +598,8 @@ def train(config: TrainConfig, workdir: str, *,
     export_dir = config.export_dir or os.path.join(workdir, "export")
     if isinstance(final, DFlashDrafter):
       dj.save_dflash(final, export_dir)  # the released DFlash / Domino format
+    elif isinstance(final, DartGruDrafter):
+      dj.save_dart_gru(final, export_dir)  # save_dart's head + the correction
     else:
       dj.save_dart(final, export_dir)
     log.info("exported the %s to %s", "head" if config.head.kind == "dart" else "drafter",

@@ -144,6 +144,14 @@ def draft_logits(head, next_embeds: jax.Array, taps: jax.Array, positions: jax.A
 
   Row (a, 0) comes from real row a, rows (a, k) from mask slot k (see module doc).
   """
+  return head.logits(draft_hidden(head, next_embeds, taps, positions, segment_ids,
+                                  anchors, attn_impl=attn_impl))
+
+
+def draft_hidden(head, next_embeds: jax.Array, taps: jax.Array, positions: jax.Array,
+                 segment_ids: jax.Array, anchors: jax.Array, *,
+                 attn_impl: str = "xla") -> jax.Array:
+  """What ``lm_head`` reads for ``draft_logits``: [B, A, D+1, H]."""
   batch, length, _ = taps.shape
   d = head.config.draft_length
   num_anchors = anchors.shape[1]
@@ -155,7 +163,7 @@ def draft_logits(head, next_embeds: jax.Array, taps: jax.Array, positions: jax.A
   h = residual + attn
   level0 = jnp.take_along_axis(h[:, :length], anchors[:, :, None], axis=1)
   masked = h[:, length:].reshape(batch, num_anchors, d, -1)
-  return head.finish(jnp.concatenate([level0[:, :, None], masked], axis=2))
+  return head.final_hidden(jnp.concatenate([level0[:, :, None], masked], axis=2))
 
 
 def teacher_rows(anchors: jax.Array, num_levels: int, length: int) -> jax.Array:

@@ -1,8 +1,10 @@
 """Train a drafter: ``python -m train.main --config NAME_OR_FILE --workdir DIR [k=v ...]``.
 
-A DART head (``head.kind=dart``, presets tiny, smollm2_dart, qwen3_8b_dart) or a
+A DART head (``head.kind=dart``, presets tiny, smollm2_dart, qwen3_8b_dart), a
 DFlash / Domino drafter (``head.kind=dflash|domino``, presets tiny_dflash,
-tiny_domino, smollm2_domino, qwen3_8b_dflash, qwen3_8b_domino).
+tiny_domino, smollm2_domino, qwen3_8b_dflash, qwen3_8b_domino), or a GRU
+correction of a frozen DART head (``head.kind=dart_gru``, presets
+tiny_dart_gru, smollm2_dart_gru; the head from ``head.init_from=DIR``).
 
 Examples:
   python -m train.main --config tiny --workdir /tmp/dart_tiny
@@ -15,7 +17,9 @@ Examples:
 Rerunning the same command resumes from the latest checkpoint in the workdir.
 The final head is written in the reference format to ``WORKDIR/export`` (load
 it with ``dart_jax.load_dart``); a DFlash / Domino drafter in the released format
-(``dart_jax.load_dflash`` / ``load_domino``; ``generate(..., tree="dartree")``).
+(``dart_jax.load_dflash`` / ``load_domino``; ``generate(..., tree="dartree")``); a
+DART-GRU drafter as the DART head plus ``correction.json`` / ``correction.safetensors``
+(``dart_jax.load_dart_gru``).
 
 TPU pod slices: run the same command on every worker, e.g.
 
@@ -38,11 +42,13 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
       prog="python -m train.main",
-      description="Train a DART head or a DFlash / Domino drafter for a target model.",
+      description="Train a DART head, a DFlash / Domino drafter or a DART-GRU "
+                  "correction for a target model.",
       epilog="Overrides are dotted config keys, e.g. optim.learning_rate=1e-3 steps=500 "
              "data.train=a.jsonl,b.jsonl mesh.fsdp=4 head.kind=domino dflash.block_size=8. "
              "Presets: tiny, smollm2_dart, qwen3_8b_dart, tiny_dflash, tiny_domino, "
-             "smollm2_domino, qwen3_8b_dflash, qwen3_8b_domino.")
+             "smollm2_domino, qwen3_8b_dflash, qwen3_8b_domino, tiny_dart_gru, "
+             "smollm2_dart_gru.")
   p.add_argument("--config", required=True, help="preset name or JSON config file")
   p.add_argument("--workdir", required=True,
                  help="checkpoints, metrics.jsonl and the exported drafter go here")

@@ -11,3 +11,8 @@ from dart_jax.draft.dflash import (DFlashConfig, DFlashDrafter, DFlashModule,
 
 __all__ += ["DFlashConfig", "DFlashDrafter", "DFlashModule", "default_target_layer_ids",
             "load_dflash", "load_domino", "save_dflash"]
+
+from dart_jax.draft.dart_gru import (DartGruConfig, DartGruDrafter, load_dart_gru,
+                                     save_dart_gru)
+
+__all__ += ["DartGruConfig", "DartGruDrafter", "load_dart_gru", "save_dart_gru"]

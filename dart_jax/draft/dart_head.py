@@ -165,19 +165,35 @@ class DartHeadModule(nnx.Module):
     rep = self.midlayer.mask_rep[...]
     return rep, rep[: self.config.hidden_size]
 
-  def finish(self, h: jax.Array) -> jax.Array:
-    """Residual after attention -> draft logits. h: [..., H] -> [..., Vd] float32."""
+  def final_hidden(self, h: jax.Array) -> jax.Array:
+    """Residual after attention -> the normed hidden ``lm_head`` reads: [..., H]."""
     layer = self.midlayer
     h = h + layer.mlp(layer.post_attention_layernorm(h))
     h = self.norm(h)
     if self.config.double_norm:
       h = self.norm(h)
-    return self.lm_head(h).astype(jnp.float32)
+    return h
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    """``final_hidden`` output [..., H] -> draft logits [..., Vd] float32."""
+    return self.lm_head(hidden).astype(jnp.float32)
+
+  def finish(self, h: jax.Array) -> jax.Array:
+    """Residual after attention -> draft logits. h: [..., H] -> [..., Vd] float32."""
+    return self.logits(self.final_hidden(h))
 
   def __call__(self, taps: jax.Array, next_embeds: jax.Array, num_real: jax.Array,
                cache: KVCache, *, attend_len: int | None = None,
                attn_impl: str = "auto") -> tuple[jax.Array, KVCache]:
-    """Drafts D+1 levels after the newest real position of each sequence.
+    """Drafts D+1 levels: ``levels`` then ``logits`` -> (logits [B, D+1, Vd], cache)."""
+    hidden, cache = self.levels(taps, next_embeds, num_real, cache, attend_len=attend_len,
+                                attn_impl=attn_impl)
+    return self.logits(hidden), cache
+
+  def levels(self, taps: jax.Array, next_embeds: jax.Array, num_real: jax.Array,
+             cache: KVCache, *, attend_len: int | None = None,
+             attn_impl: str = "auto") -> tuple[jax.Array, KVCache]:
+    """The final hidden of D+1 levels after the newest real position of each sequence.
 
     Args:
       taps: [B, S, 3*Ht] taps at the new real positions (right-padded).
@@ -186,8 +202,9 @@ class DartHeadModule(nnx.Module):
       cache: one-layer draft cache holding the earlier real positions; the S+D
         rows are written at ``cache.lengths`` (lengths not advanced).
     Returns:
-      (logits [B, D+1, Vd] float32, cache). Row 0 comes from the last real
-      position and predicts the token two after it; row k from mask slot k.
+      (hidden [B, D+1, H] as ``lm_head`` reads it, cache). Row 0 comes from the
+      last real position and predicts the token two after it; row k from mask
+      slot k.
     """
     c = self.config
     batch, s, _ = taps.shape
@@ -212,8 +229,8 @@ class DartHeadModule(nnx.Module):
                                          cache.lengths, mask, attend_len, attn_impl)
     h = residual + attn
     out_rows = (num_real - 1)[:, None] + jnp.arange(c.draft_length + 1)[None, :]
-    logits = self.finish(layers.gather_rows(h, out_rows))
-    return logits, KVCache(k=(k,), v=(v,), lengths=cache.lengths)
+    hidden = self.final_hidden(layers.gather_rows(h, out_rows))
+    return hidden, KVCache(k=(k,), v=(v,), lengths=cache.lengths)
 
 
 def _ref_name(path: str) -> str:

@@ -405,15 +405,30 @@ class DFlashModule(nnx.Module):
     backbone outputs of slots 1..B-1 (``hid``). ``W_z hid`` is computed here,
     once per round.
     """
-    c = self.config
-    w1 = self.embed_proj_in.kernel[...].astype(jnp.float32)  # [H+G, E]
-    z = jnp.einsum("...h,he->...e", hidden.astype(jnp.float32), w1[:c.hidden_size])
-    return CorrectionHead(
-        z=z, w_state=w1[c.hidden_size:],
-        w_out=self.embed_proj_out.kernel[...].astype(jnp.float32),
-        w_input=self.prefix_gru.input_kernel[...].astype(jnp.float32),
-        w_hidden=self.prefix_gru.hidden_kernel[...].astype(jnp.float32),
-        embed=embed_table, num_uncorrected=c.pure_draft_prefix_len)
+    return correction_head_of(self, embed_table, hidden,
+                              num_uncorrected=self.config.pure_draft_prefix_len)
+
+
+def correction_head_of(module, embed_table: jax.Array, hidden: jax.Array, *,
+                       num_uncorrected: int = 0) -> CorrectionHead:
+  """A ``CorrectionHead`` from a module's Domino parameters (shared by DFlash's
+  Domino head and the DART-GRU correction).
+
+  module: has ``prefix_gru`` (a ``GRU``), ``embed_proj_in`` (kernel [Hb+G, E],
+  inputs: the drafter's hidden, then the GRU state) and ``embed_proj_out``
+  (kernel [E, Vc]); embed_table: [V, H] the target's embedding; hidden:
+  [..., D, Hb] the drafter's per-depth hidden (``W_z hid`` is computed here,
+  once per round).
+  """
+  w1 = module.embed_proj_in.kernel[...].astype(jnp.float32)  # [Hb+G, E]
+  size = hidden.shape[-1]
+  z = jnp.einsum("...h,he->...e", hidden.astype(jnp.float32), w1[:size])
+  return CorrectionHead(
+      z=z, w_state=w1[size:],
+      w_out=module.embed_proj_out.kernel[...].astype(jnp.float32),
+      w_input=module.prefix_gru.input_kernel[...].astype(jnp.float32),
+      w_hidden=module.prefix_gru.hidden_kernel[...].astype(jnp.float32),
+      embed=embed_table, num_uncorrected=num_uncorrected)
 
 
 def _masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array

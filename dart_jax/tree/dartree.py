@@ -88,9 +88,11 @@ class CorrectionHead:
   """The Domino head as float32 arrays, for one sequence or a batch.
 
   z: [..., D, E] ``W_z hid`` of each depth row (computed once per round);
-  w_state: [G, E] ``W_s``; w_out: [E, V] (``W2`` transposed); w_input: [H, 3G]
-  and w_hidden: [G, 3G] the GRU kernels (gates r, z, n); embed: [V, H] the
-  target's embedding; num_uncorrected: depth rows < this use the base logits.
+  w_state: [G, E] ``W_s``; w_out: [E, Vc] (``W2`` transposed, over the base
+  logits' columns: the target vocabulary, or a DART head's draft vocabulary);
+  w_input: [H, 3G] and w_hidden: [G, 3G] the GRU kernels (gates r, z, n);
+  embed: [V, H] the target's embedding (the GRU reads TARGET ids);
+  num_uncorrected: depth rows < this use the base logits.
   """
 
   z: jax.Array
@@ -120,13 +122,13 @@ class CorrectionHead:
     return self.gru(root[None], jnp.zeros((1, self.state_size), jnp.float32))[0]
 
   def bias(self, z: jax.Array, state: jax.Array, tokens: jax.Array) -> jax.Array:
-    """Correction of ``tokens [K]`` under each state [F, G] -> [F, K]:
+    """Correction of logit columns ``tokens [K]`` under each state [F, G] -> [F, K]:
     ``W2[x] . SiLU(z + W_s s)`` with ``z [E]`` the depth's ``W_z hid`` row."""
     hidden = jax.nn.silu(z + state @ self.w_state)  # [F, E]
     return hidden @ jnp.take(self.w_out, tokens, axis=1)
 
   def full_bias(self, row: int, state: jax.Array) -> jax.Array:
-    """The correction over the whole vocabulary: state [G] -> [V]."""
+    """The correction over all logit columns: state [G] -> [Vc]."""
     return jax.nn.silu(self.z[row] + state @ self.w_state) @ self.w_out
 
 
@@ -175,29 +177,38 @@ def num_tree_nodes(method: str, config: DARTreeConfig, num_depths: int, vocab: i
   return total if method == "dartree-fixed" else min(config.budget, total)
 
 
-def _check_inputs(base_logits: jax.Array, head: CorrectionHead | None, method: str):
+def _check_inputs(base_logits: jax.Array, head: CorrectionHead | None, method: str,
+                  d2t: jax.Array | None):
   if base_logits.ndim != 2:
     raise InputError(f"base_logits must be [D, V] (vmap over the batch), got shape "
                      f"{base_logits.shape}")
+  if d2t is not None and d2t.shape != base_logits.shape[-1:]:
+    raise InputError(f"d2t must have one offset per logit column, got shape {d2t.shape} "
+                     f"for base_logits {base_logits.shape}")
   if method in CORRECTED_METHODS:
     if head is None:
       raise InputError(f"method {method!r} needs a CorrectionHead")
     if head.z.shape[-2] != base_logits.shape[0]:
       raise InputError(f"CorrectionHead.z has {head.z.shape[-2]} depth rows, "
                        f"base_logits {base_logits.shape[0]}")
+    if head.w_out.shape[-1] != base_logits.shape[1]:
+      raise InputError(f"CorrectionHead.w_out has {head.w_out.shape[-1]} output columns, "
+                       f"base_logits {base_logits.shape[1]}: they must share a vocabulary")
 
 
-def _expand(cand_tokens, cand_logits, z, depth, path, state, head, width):
+def _expand(cand_ids, cand_tokens, cand_logits, z, depth, path, state, head, width):
   """One depth: score every (frontier node, candidate) pair, keep the best ``width``.
 
-  cand_tokens, cand_logits: [K] this depth's candidates; z: [E] or None;
-  depth: 0-based depth row (may be traced); path: [F]; state: [F, G] or None.
+  cand_ids: [K] this depth's candidates as logit columns (the correction's
+  vocabulary); cand_tokens: [K] the same as target ids; cand_logits: [K];
+  z: [E] or None; depth: 0-based depth row (may be traced); path: [F];
+  state: [F, G] or None.
   Returns (tokens [W], parent rank [W], path [W], state of the kept [W, G]).
   """
   k = cand_tokens.shape[0]
   logits = jnp.broadcast_to(cand_logits[None, :], (path.shape[0], k))
   if head is not None:
-    bias = head.bias(z, state, cand_tokens)
+    bias = head.bias(z, state, cand_ids)
     logits = logits + jnp.where(depth >= head.num_uncorrected, bias, 0.0)
   log_probs = jax.nn.log_softmax(logits, axis=-1)
   top, flat = lax.top_k((path[:, None] + log_probs).reshape(-1), width)
@@ -222,9 +233,12 @@ def _segments(widths: tuple[int, ...]) -> list[tuple[int, int]]:
   return segments
 
 
-def _grow(cand_tokens: jax.Array, cand_logits: jax.Array, root: jax.Array,
-          head: CorrectionHead | None, widths: tuple[int, ...]):
+def _grow(cand_ids: jax.Array, cand_tokens: jax.Array, cand_logits: jax.Array,
+          root: jax.Array, head: CorrectionHead | None, widths: tuple[int, ...]):
   """Depth-by-depth expansion; returns per-record (tokens, parent, depth, path).
+
+  cand_ids, cand_tokens, cand_logits: [D, K] candidates as logit columns, as
+  target ids, and their base logits.
 
   Records are stored depth by depth in rank order; ``parent`` is a node index
   in that numbering with the root as 0 and record r as r+1.
@@ -235,8 +249,9 @@ def _grow(cand_tokens: jax.Array, cand_logits: jax.Array, root: jax.Array,
   tokens, parents, paths = [], [], []
   for start, stop in _segments(widths):
     if stop - start == 1:
-      tok, par, path, state = _expand(cand_tokens[start], cand_logits[start],
-                                      z[start], start, path, state, head, widths[start])
+      tok, par, path, state = _expand(cand_ids[start], cand_tokens[start],
+                                      cand_logits[start], z[start], start, path, state,
+                                      head, widths[start])
       tokens.append(tok)
       parents.append(par[None])
       paths.append(path)
@@ -247,8 +262,8 @@ def _grow(cand_tokens: jax.Array, cand_logits: jax.Array, root: jax.Array,
       tok, par, path, state = _expand(*xs, path, state, head, width)
       return (path, state), (tok, par, path)
 
-    xs = (cand_tokens[start:stop], cand_logits[start:stop], z[start:stop],
-          jnp.arange(start, stop))
+    xs = (cand_ids[start:stop], cand_tokens[start:stop], cand_logits[start:stop],
+          z[start:stop], jnp.arange(start, stop))
     (path, state), (tok, par, run_paths) = lax.scan(body, (path, state), xs)
     tokens.append(tok.reshape(-1))
     parents.append(par)
@@ -288,31 +303,37 @@ def _select(tokens, parents, depths, paths, keep: int, depth_bonus: float):
 def dartree_build(base_logits: jax.Array, root: jax.Array,
                   head: CorrectionHead | None = None,
                   config: DARTreeConfig = DARTreeConfig(), *,
-                  method: str = "dartree") -> Tree:
+                  method: str = "dartree", d2t: jax.Array | None = None) -> Tree:
   """Builds one round's draft tree for one sequence.
 
   Args:
     base_logits: [D, V] the backbone's logits; row d-1 is depth d.
-    root: int32 [] the root token (last committed token).
-    head: the Domino correction head with ``z [D, E]`` (unused by "ddtree" and
-      "dflash-chain").
+    root: int32 [] the root token (last committed token, a target id).
+    head: the Domino correction head with ``z [D, E]`` and ``w_out [E, V]`` over
+      the same V columns as ``base_logits`` (unused by "ddtree" and
+      "dflash-chain"); its GRU embeds target ids.
     config: tree-shape settings.
     method: one of ``TREE_METHODS``.
+    d2t: int32 [V] offsets when the logit columns are a reduced draft
+      vocabulary (column i is target id ``i + d2t[i]``, as DART heads store
+      it); None = the columns are target ids. Tree tokens are target ids.
   Returns:
     A ``Tree`` with N = ``num_tree_nodes(method, config, D, V)`` nodes (all
     valid), max depth D.
   """
-  _check_inputs(base_logits, head, method)
+  _check_inputs(base_logits, head, method, d2t)
   num_depths, vocab = base_logits.shape
   base_logits = base_logits.astype(jnp.float32)
   root = jnp.asarray(root, jnp.int32)
+  to_target = ((lambda ids: ids) if d2t is None
+               else lambda ids: ids + jnp.asarray(d2t, jnp.int32)[ids])
   if method == "dflash-chain":
-    return _dflash_chain(base_logits, root)
+    return _dflash_chain(base_logits, root, to_target)
   if method == "domino-chain":
-    return _domino_chain(base_logits, root, head)
+    return _domino_chain(base_logits, root, head, to_target)
   widths = level_widths(method, config, num_depths, vocab)
-  cand_logits, cand_tokens = exact_top_k(base_logits, min(config.topk, vocab))
-  records = _grow(cand_tokens, cand_logits, root,
+  cand_logits, cand_ids = exact_top_k(base_logits, min(config.topk, vocab))
+  records = _grow(cand_ids, to_target(cand_ids), cand_logits, root,
                   head if method in CORRECTED_METHODS else None, widths)
   if method != "dartree-fixed":
     keep = num_tree_nodes(method, config, num_depths, vocab)
@@ -326,14 +347,15 @@ def _chain(root, tokens, log_probs, num_depths) -> Tree:
   return _tree(root, tokens, index, index + 1, jnp.cumsum(log_probs), num_depths)
 
 
-def _dflash_chain(base_logits: jax.Array, root: jax.Array) -> Tree:
-  tokens = jnp.argmax(base_logits, axis=-1).astype(jnp.int32)
+def _dflash_chain(base_logits: jax.Array, root: jax.Array, to_target) -> Tree:
+  ids = jnp.argmax(base_logits, axis=-1).astype(jnp.int32)
   log_probs = jnp.take_along_axis(jax.nn.log_softmax(base_logits, axis=-1),
-                                  tokens[:, None], axis=1)[:, 0]
-  return _chain(root, tokens, log_probs, base_logits.shape[0])
+                                  ids[:, None], axis=1)[:, 0]
+  return _chain(root, to_target(ids), log_probs, base_logits.shape[0])
 
 
-def _domino_chain(base_logits: jax.Array, root: jax.Array, head: CorrectionHead) -> Tree:
+def _domino_chain(base_logits: jax.Array, root: jax.Array, head: CorrectionHead,
+                  to_target) -> Tree:
   """Domino's sequential drafting: argmax of the corrected logits, GRU advance."""
   state = head.root_state(root)
   tokens, log_probs = [], []
@@ -342,8 +364,9 @@ def _domino_chain(base_logits: jax.Array, root: jax.Array, head: CorrectionHead)
     logits = base_logits[d]
     if d >= head.num_uncorrected:
       logits = logits + head.full_bias(d, state)
-    token = jnp.argmax(logits).astype(jnp.int32)
-    log_probs.append(jax.nn.log_softmax(logits)[token])
+    column = jnp.argmax(logits).astype(jnp.int32)
+    log_probs.append(jax.nn.log_softmax(logits)[column])
+    token = to_target(column)
     tokens.append(token)
     if d + 1 < num_depths:
       state = head.gru(token[None], state[None])[0]
