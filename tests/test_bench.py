@@ -477,7 +477,8 @@ def test_drafter_for_another_target_is_rejected(tiny, drafter_dirs):
 
 @pytest.mark.parametrize("argv, message", [
     (["--method", "ar,beam"], "choose from ar, dart, dflash-chain, domino-chain, ddtree, "
-                              "dartree-fixed, dartree, hf"),
+                              "dartree-fixed, dartree, dart-gru, dart-gru-fixed, "
+                              "dart-gru-chain, hf"),
     (["--method", "ar,dartree"], "dartree needs a Domino drafter"),
     (["--method", "ddtree,dflash-chain"], "ddtree,dflash-chain needs a drafter: --dflash"),
     (["--method", "ddtree,dartree-fixed", "--dflash", "d"],
