@@ -17,6 +17,7 @@ from dart_jax.models import Target
 from dart_jax.sampling import SamplingConfig
 from dart_jax.speculative import root_tokens
 from dart_jax.tree.dartree import CorrectionHead, DARTreeConfig, dartree_build
+from tests.test_dartree_decode import check_first_tokens_distribution, peaked_tiny_target
 from tests.test_speculative import TARGETS
 from tests.train_helpers import metric_records
 from train import configs, loop
@@ -242,41 +243,11 @@ def test_tiny_training_lowers_the_loss_and_exports_a_loadable_drafter(tmp_path):
 
 
 def test_sampling_matches_target_distribution():
-  """First 3 sampled tokens of DART-GRU (pruned tree) match the target's exact
-  distribution (20000 samples, chi-square and marginal total variation: the
-  statistics test_speculative shows detect a 2% bias)."""
-  from tests.test_dartree_decode import exact_first_tokens
-  from tests.test_speculative import _chi_square_p
-  vocab, temperature, top_p = 6, 0.8, 0.9
-  config = dataclasses.replace(TARGETS["llama"], vocab_size=vocab, hidden_size=16,
-                               intermediate_size=32, num_layers=2, num_heads=2,
-                               num_kv_heads=1, head_dim=8)
-  target = Target.init(config, seed=7)
-  # Peaked distributions, so that random drafts are often accepted.
-  target = target.with_params(jax.tree.map(lambda x: x * 3.0 if x.ndim == 2 else x,
-                                           target.params))
+  """DART-GRU (pruned tree) samples the target's distribution (the statistics of
+  the DARTree sampling test)."""
+  target = peaked_tiny_target()
   head = dj.DartHead.init(target, draft_length=2, seed=3)
   drafter = dj.DartGruDrafter.from_head(head, emb_dim=8, gru_hidden_dim=8, seed=1)
-  prompt = [1, 4, 2]
-  exact = exact_first_tokens(target, prompt, SamplingConfig(temperature, top_p))
-  n_batch, n_calls = 5000, 4
-  counts = np.zeros(vocab ** 3)
-  accept = []
-  for seed in range(n_calls):
-    out = dj.generate(target, [prompt] * n_batch, max_new_tokens=3, temperature=temperature,
-                      top_p=top_p, seed=seed, eos_token_ids=(), draft=drafter,
-                      tree="dartree", tree_config=DARTreeConfig(topk=3, supertree_width=3,
-                                                                budget=6))
-    codes = np.array([(t[0] * vocab + t[1]) * vocab + t[2] for t in out.tokens])
-    counts += np.bincount(codes, minlength=vocab ** 3)
-    accept.append(out.stats.mean_accept_len)
-  assert np.mean(accept) > 1.3  # trees were accepted, so acceptance mattered
-  p_value = _chi_square_p(counts, exact)
-  joint, want = counts.reshape((vocab,) * 3) / counts.sum(), exact.reshape((vocab,) * 3)
-  tvs = [0.5 * np.abs(joint.sum(axis=tuple(a for a in range(3) if a != k)) -
-                      want.sum(axis=tuple(a for a in range(3) if a != k))).sum()
-         for k in range(3)]
-  print(f"dart-gru: chi-square p={p_value:.3f}, marginal TVs {np.round(tvs, 4)}, "
-        f"acceptance {np.mean(accept):.2f}")
-  assert p_value > 1e-3, p_value
-  assert max(tvs) < 0.02, tvs
+  check_first_tokens_distribution(
+      target, "dart-gru", draft=drafter, tree="dartree",
+      tree_config=DARTreeConfig(topk=3, supertree_width=3, budget=6))
