@@ -108,7 +108,6 @@ class DartGruConfig:
   def draft_vocab_size(self):
     return self.dart.draft_vocab_size
 
-
   def to_json(self) -> dict:
     """``correction.json``: the correction's sizes and what it was built for."""
     return {"format": _FORMAT, "vocabulary": "draft", "emb_dim": self.emb_dim,
