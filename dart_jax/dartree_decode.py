@@ -8,6 +8,8 @@ Round (spec dartree.md sections 3-4), all on device:
   drafter context (written at the drafter cache length, which advances by the
   number of new tokens) -> one backbone pass on ``[new root, MASK...]`` gives
   the next round's base logits (its block K/V are scratch, dropped).
+The phases are DART's (search / verify / accept / draft, see
+``dart_jax.speculative``); ``profile=True`` compiles and times them one by one.
 
 Methods (``generate(..., draft=drafter, tree=...)``): "dartree" (pruned,
 default), "dartree-fixed", "ddtree", "chain" (Domino chain for a Domino
@@ -30,7 +32,9 @@ from dart_jax.generate import prefill
 from dart_jax.models import layers
 from dart_jax.models.target import Target
 from dart_jax.models.transformer import KVCache
+from dart_jax.profiling import PhaseTimer, Wrap, no_wrap
 from dart_jax.sampling import SamplingConfig
+from dart_jax.speculative import verify_trees
 from dart_jax.tree.dartree import (CORRECTED_METHODS, DARTreeConfig, dartree_build,
                                    num_tree_nodes, resolve_method)
 from dart_jax.verify import accept_tree
@@ -96,27 +100,56 @@ def build_trees(drafter, embed_table, state: DARTreeState, *, method: str,
       state.base_logits, state.root, head.z)
 
 
-def _round(target_graphdef, target_params, drafter_graphdef, drafter_params, state,
-           active, key, *, method, tree_config, sampling, attend_len, attn_impl):
+def _search(target_graphdef, drafter_graphdef, target_params, drafter_params, state, *,
+            method, tree_config):
+  """The round's tree from last round's backbone output (``build_trees``)."""
   target_model = nnx.merge(target_graphdef, target_params)
   drafter = nnx.merge(drafter_graphdef, drafter_params)
-  c = drafter.config
-  tree = build_trees(drafter, target_model.embed_tokens.embedding[...], state,
+  return build_trees(drafter, target_model.embed_tokens.embedding[...], state,
                      method=method, tree_config=tree_config)
-  cache = state.cache
-  out = target_model(tree.tokens, cache.lengths[:, None] + tree.depth, cache, tree.mask,
-                     attend_len=attend_len, taps=c.taps, attn_impl=attn_impl)
+
+
+def _accept(tree, out, active, key, *, sampling, max_depth):
+  """Acceptance and KV compaction -> (acceptance, cache, new root [B], advance
+  [B], taps of the accepted path [B, D+1, n*Ht], root first)."""
   acc = accept_tree(tree.tokens, tree.parents, tree.depth, tree.num_nodes, out.logits,
-                    key, sampling, max_depth=c.num_depths)
+                    key, sampling, max_depth=max_depth)
   advance = acc.num_new * active.astype(jnp.int32)
   cache = out.cache.compact(acc.path, advance)
   root = jnp.take_along_axis(acc.new_tokens, (acc.num_new - 1)[:, None], axis=1)[:, 0]
-  path_taps = layers.gather_rows(out.taps, acc.path)  # [B, D+1, n*Ht], root first
+  return acc, cache, root, advance, layers.gather_rows(out.taps, acc.path)
+
+
+def _draft_next(target_graphdef, drafter_graphdef, target_params, drafter_params,
+                path_taps, advance, root, draft_cache, *, attend_len, attn_impl):
+  """The accepted path becomes context; the backbone drafts the next round."""
+  target_model = nnx.merge(target_graphdef, target_params)
+  drafter = nnx.merge(drafter_graphdef, drafter_params)
   # The drafter's block reads up to D+1 rows past the committed length.
-  draft_attend = min(attend_len + c.block_size, state.draft_cache.capacity)
-  base_logits, hidden, draft_cache = _draft(target_model, drafter, path_taps, advance,
-                                            root, state.draft_cache, draft_attend,
-                                            attn_impl)
+  draft_attend = min(attend_len + drafter.config.block_size, draft_cache.capacity)
+  return _draft(target_model, drafter, path_taps, advance, root, draft_cache,
+                draft_attend, attn_impl)
+
+
+def _round(target_graphdef, target_params, drafter_graphdef, drafter_params, state,
+           active, key, *, method, tree_config, sampling, attend_len, attn_impl,
+           wrap: Wrap = no_wrap):
+  """One DARTree round, phase by phase (search, verify, accept, draft, as in
+  DART's round); ``wrap(name, fn)`` may wrap each phase (the profile mode
+  compiles and times them one by one)."""
+  c = nnx.merge(drafter_graphdef, drafter_params).config
+  search = functools.partial(_search, target_graphdef, drafter_graphdef, method=method,
+                             tree_config=tree_config)
+  verify = functools.partial(verify_trees, target_graphdef, attend_len=attend_len,
+                             taps=c.taps, attn_impl=attn_impl)
+  accept = functools.partial(_accept, sampling=sampling, max_depth=c.num_depths)
+  draft = functools.partial(_draft_next, target_graphdef, drafter_graphdef,
+                            attend_len=attend_len, attn_impl=attn_impl)
+  tree = wrap("search", search)(target_params, drafter_params, state)
+  out = wrap("verify", verify)(target_params, state.cache, tree)
+  acc, cache, root, advance, path_taps = wrap("accept", accept)(tree, out, active, key)
+  base_logits, hidden, draft_cache = wrap("draft", draft)(
+      target_params, drafter_params, path_taps, advance, root, state.draft_cache)
   return (DARTreeState(cache, draft_cache, root, base_logits, hidden), acc.new_tokens,
           acc.num_new)
 
@@ -124,7 +157,7 @@ def _round(target_graphdef, target_params, drafter_graphdef, drafter_params, sta
 dartree_round = jax.jit(
     _round,
     static_argnames=("target_graphdef", "drafter_graphdef", "method", "tree_config",
-                     "sampling", "attend_len", "attn_impl"),
+                     "sampling", "attend_len", "attn_impl", "wrap"),
     donate_argnames=("state",))
 
 
@@ -170,11 +203,15 @@ class DARTreeDecoder:
       "dflash-chain", "domino-chain") or a ``DARTreeConfig`` (method "dartree").
     tree_config: a ``DARTreeConfig``; its fields may also be given as keyword
       arguments (``topk``, ``supertree_width``, ``budget``, ``depth_bonus``).
+    profile: run each round's phases (search, verify, accept, draft) as
+      separately compiled calls and accumulate their seconds in ``phase_s``;
+      the fused round is what normal decoding runs (slightly faster than the sum).
   """
 
   def __init__(self, target: Target, drafter: DFlashDrafter, *, sampling: SamplingConfig,
                seed: int = 0, ngram=None, tree="dartree",
-               tree_config: DARTreeConfig | None = None, **overrides):
+               tree_config: DARTreeConfig | None = None, profile: bool = False,
+               **overrides):
     if ngram is not None:
       raise InputError("DARTree methods use no N-gram model; drop ngram=...")
     method, tree_config = tree_options(tree, tree_config, overrides, drafter.domino)
@@ -187,6 +224,9 @@ class DARTreeDecoder:
                                     c.vocab_size)
     self.scratch_rows = self.num_nodes + 1
     self.key = jax.random.PRNGKey(seed)
+    self.profile = profile
+    self.timer = PhaseTimer()
+    self.phase_s = self.timer.seconds  # filled in profile mode
 
   def _next_key(self):
     self.key, sub = jax.random.split(self.key)
@@ -212,7 +252,10 @@ class DARTreeDecoder:
 
   def step(self, state, active, attend_len):
     t, d = self.target, self.drafter
-    return dartree_round(
-        t.graphdef, t.params, d.graphdef, d.params, state, active, self._next_key(),
-        method=self.method, tree_config=self.tree_config, sampling=self.sampling,
-        attend_len=attend_len, attn_impl=t.attn_impl)
+    static = dict(method=self.method, tree_config=self.tree_config,
+                  sampling=self.sampling, attend_len=attend_len, attn_impl=t.attn_impl)
+    args = (t.graphdef, t.params, d.graphdef, d.params, state, active, self._next_key())
+    if not self.profile:
+      return dartree_round(*args, **static)
+    wrap = self.timer.wrap(_round, t.graphdef, d.graphdef, *sorted(static.items()))
+    return _round(*args, **static, wrap=wrap)

@@ -12,7 +12,6 @@ trees (``dart_jax.draft.dart_gru``). Verify, accept and draft are shared.
 """
 
 import functools
-import time
 from typing import Protocol
 
 import flax.struct
@@ -26,6 +25,7 @@ from dart_jax.generate import prefill
 from dart_jax.models import layers
 from dart_jax.models.target import Target
 from dart_jax.models.transformer import KVCache
+from dart_jax.profiling import PhaseTimer, Wrap, no_wrap
 from dart_jax.sampling import SamplingConfig
 from dart_jax.tree import TreeConfig, dart_search
 from dart_jax.verify import accept_tree
@@ -132,8 +132,10 @@ def dart_prefill(target_graphdef, target_params, head_graphdef, head_params, cac
   return first, DartState(cache, draft_cache, history, draft_logits, draft_hidden)
 
 
-def _verify(target_graphdef, target_params, cache, tree, *, attend_len, taps, attn_impl):
-  """Target pass over ``[root] + tree`` at positions ``length + depth``."""
+def verify_trees(target_graphdef, target_params, cache, tree, *, attend_len, taps,
+                 attn_impl):
+  """Target pass over ``[root] + tree`` at positions ``length + depth`` (shared
+  with DARTree): logits, taps and the cache with the tree rows written."""
   target_model = nnx.merge(target_graphdef, target_params)
   return target_model(tree.tokens, cache.lengths[:, None] + tree.depth, cache, tree.mask,
                       attend_len=attend_len, taps=taps, attn_impl=attn_impl)
@@ -169,14 +171,9 @@ def _search(target_graphdef, head_graphdef, target_params, head_params, ngram, s
                       head_params["d2t"][...], tree_config, context_size)
 
 
-def _no_wrap(name, fn):
-  del name
-  return fn
-
-
 def _round(target_graphdef, target_params, head_graphdef, head_params, ngram, state,
            active, key, *, tree_config, sampling, attend_len, attn_impl, context_size,
-           builder: TreeBuilder | None = None, wrap=_no_wrap):
+           builder: TreeBuilder | None = None, wrap: Wrap = no_wrap):
   """One DART round, phase by phase; ``wrap(name, fn)`` may wrap each phase (the
   profile mode jits and times them one by one). ``builder`` replaces DART's
   search (``tree_config``, ``context_size`` and ``ngram`` are then unused)."""
@@ -185,7 +182,7 @@ def _round(target_graphdef, target_params, head_graphdef, head_params, ngram, st
   search = functools.partial(_search, target_graphdef, head_graphdef,
                              tree_config=tree_config, context_size=context_size,
                              builder=builder)
-  verify = functools.partial(_verify, target_graphdef, attend_len=attend_len,
+  verify = functools.partial(verify_trees, target_graphdef, attend_len=attend_len,
                              taps=head_config.tap_layers, attn_impl=attn_impl)
   accept = functools.partial(_accept, sampling=sampling,
                              max_depth=head_config.draft_length + 1)
@@ -207,9 +204,6 @@ dart_round = jax.jit(
     static_argnames=("target_graphdef", "head_graphdef", "tree_config", "sampling",
                      "attend_len", "attn_impl", "context_size", "builder", "wrap"),
     donate_argnames=("state",))
-
-
-_PHASE_FNS = {}  # profile mode: compiled phases by (name, static configuration)
 
 
 class DartDecoder:
@@ -242,7 +236,8 @@ class DartDecoder:
     self.with_hidden = builder is not None and builder.needs_hidden
     self.key = jax.random.PRNGKey(seed)
     self.profile = profile
-    self.phase_s = {}
+    self.timer = PhaseTimer()
+    self.phase_s = self.timer.seconds  # filled in profile mode
 
   def _next_key(self):
     self.key, sub = jax.random.split(self.key)
@@ -274,20 +269,8 @@ class DartDecoder:
             self._next_key())
     if not self.profile:
       return dart_round(*args, **static)
-    key = (t.graphdef, h.graphdef, *sorted(static.items()))
-    return _round(*args, **static, wrap=functools.partial(self._timed, key))
-
-  def _timed(self, static_key, name, fn):
-    """Compiles a phase once per static configuration and times each call."""
-    jitted = _PHASE_FNS.setdefault((name, static_key), jax.jit(fn))
-
-    def run(*args):
-      start = time.perf_counter()
-      out = jax.block_until_ready(jitted(*args))
-      self.phase_s[name] = self.phase_s.get(name, 0.0) + time.perf_counter() - start
-      return out
-
-    return run
+    wrap = self.timer.wrap(_round, t.graphdef, h.graphdef, *sorted(static.items()))
+    return _round(*args, **static, wrap=wrap)
 
 
 def _as_table(ngram):

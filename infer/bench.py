@@ -65,11 +65,15 @@ mismatches are printed loudly and the exit status is 3. (HF's matches are
 reported for information: torch sums floats in another order, so near-ties can
 flip a token.)
 
-``--profile`` adds one more DART run per prompt with the round split into
-separately compiled phases (search / verify / accept / draft) and reports mean ms
-per round of each, next to AR's ms per step; these phased runs are not used for
-the speedup (the fused round is slightly faster than the sum of its phases).
-The DARTree decoder has no phased mode, so its methods report no phase split.
+``--profile`` adds, for every speculative method, one more run per prompt with
+the round split into separately compiled phases and reports mean ms per round of
+each, next to AR's ms per step. The phases mean the same for every method:
+search (tree build: DART's beam search, DARTree's / DART-GRU's tree builder),
+verify (the target pass over root + tree), accept (sample-and-match and KV
+compaction) and draft (the drafter's pass for the next round: the DART head's
+levels, or DFlash's context write and backbone block). The phased runs are not
+used for the speedup (the fused round is slightly faster than the sum of its
+phases), but their greedy outputs are checked against AR's like the others.
 
 Output: a progress bar on stderr, a table on stdout, everything (per-prompt
 records, tokens and text included) in ``--json``, and a bar chart of speedup and
@@ -386,7 +390,7 @@ def record_json(rec: RunRecord, target, ar: RunRecord | None) -> dict:
 
 
 def phase_json(rec: RunRecord) -> dict:
-  """Profiled DART run: seconds per phase and mean ms per round."""
+  """A profiled run: seconds per phase and mean ms per round."""
   rounds = max(rec.rounds, 1)
   return {"rounds": rec.rounds, "phase_s": rec.phase_s,
           "phase_ms_per_round": {k: v * 1e3 / rounds for k, v in rec.phase_s.items()},
@@ -398,18 +402,19 @@ class Bench:
   """Runs methods on prompts and keeps the AR greedy answers (MT-Bench turn 2).
 
   methods: name -> a ``JaxMethod``/``HFMethod`` (``ar`` must be among them for
-  speedups and greedy checks); profiler: an optional DART ``JaxMethod`` with
-  ``profile=True``.
+  speedups and greedy checks); profilers: method name -> the same method as a
+  ``JaxMethod`` with ``profile=True`` (one extra phased run per prompt each).
   """
 
   def __init__(self, target, methods: dict[str, Any], *, max_new_tokens: int,
-               seed: int = 0, top_p: float = 1.0, top_k: int = 0, profiler=None,
+               seed: int = 0, top_p: float = 1.0, top_k: int = 0,
+               profilers: dict[str, Any] | None = None,
                progress: Callable[[int], None] | None = None):
     self.target = target
     self.methods = methods
     self.max_new_tokens = max_new_tokens
     self.seed, self.top_p, self.top_k = seed, top_p, top_k
-    self.profiler = profiler
+    self.profilers = dict(profilers or {})
     self.progress = progress or (lambda n: None)
     self.greedy_answers: dict[tuple[int, ...], list[int]] = {}
     self._greedy_ar = JaxMethod(target)
@@ -443,11 +448,14 @@ class Bench:
            "prompt_tokens": len(ids), "order": order,
            "methods": {name: record_json(rec, self.target, ar if name != "ar" else None)
                        for name, rec in records.items()}}
-    if self.profiler is not None:
-      prof = self.profiler.run(ids, sampling, self.max_new_tokens, self.seed)
-      row["profile"] = phase_json(prof)
+    profiled = [name for name in order if name in self.profilers]
+    if profiled:
+      row["profile"] = {}
+    for name in profiled:
+      prof = self.profilers[name].run(ids, sampling, self.max_new_tokens, self.seed)
+      row["profile"][name] = phase_json(prof)
       if ar is not None:
-        row["profile"]["matches_ar"] = prof.tokens == ar.tokens
+        row["profile"][name]["matches_ar"] = prof.tokens == ar.tokens
       self.progress(1)
     return row
 
@@ -499,13 +507,16 @@ def summarize(rows: list[dict], methods: Sequence[str], temperature: float) -> d
         a["tokens_per_s"] / h["tokens_per_s"]
         if a["tokens_per_s"] and h["tokens_per_s"] else None
         for a, h in zip(ar_rows, [r["methods"]["hf"] for r in rows])])
-  profiles = [r["profile"] for r in rows if "profile" in r]
-  if profiles:
+  profiled = [m for m in methods if any(m in r.get("profile", {}) for r in rows)]
+  if profiled:
+    summary["profile"] = {}
+  for name in profiled:
+    profiles = [r["profile"][name] for r in rows if name in r.get("profile", {})]
     rounds = sum(p["rounds"] for p in profiles)
     phases = {k: sum(p["phase_s"].get(k, 0.0) for p in profiles) * 1e3 / max(rounds, 1)
               for k in PHASES}
-    summary["dart_profile"] = {
-        "rounds": rounds, "phase_ms_per_round": phases,
+    summary["profile"][name] = {
+        "prompts": len(profiles), "rounds": rounds, "phase_ms_per_round": phases,
         "phased_round_ms": sum(phases.values()),
         "ar_ms_per_step": summary.get("ar", {}).get("ms_per_round"),
         "matches_ar": sum(bool(p.get("matches_ar")) for p in profiles),
@@ -525,8 +536,8 @@ def greedy_mismatches(runs: list[dict], strict_methods: Sequence[str] = LOSSLESS
     for row in run["prompts"]:
       checks = {m: rec.get("matches_ar") for m, rec in row["methods"].items()
                 if m in strict_methods}
-      if "profile" in row:
-        checks["dart(profile)"] = row["profile"].get("matches_ar")
+      for m, prof in row.get("profile", {}).items():
+        checks[f"{m}(profile)"] = prof.get("matches_ar")
       for m, ok in checks.items():
         if ok is False:
           bad.append({"dataset": run["dataset"], "id": row["id"], "turn": row["turn"],
@@ -552,7 +563,7 @@ def format_table(runs: list[dict]) -> str:
   for run in runs:
     s = run["summary"]
     for name, m in s.items():
-      if name in ("greedy", "dart_profile"):
+      if name in ("greedy", "profile"):
         continue
       match = (f"{m['matches_ar']}/{m['compared']}" if "matches_ar" in m and s["greedy"]
                else "")
@@ -565,12 +576,12 @@ def format_table(runs: list[dict]) -> str:
     if "hf" in s and s["hf"].get("ar_over_hf") is not None:
       lines.append(f"{'':<24} ours (ar) / hf tokens/s: {s['hf']['ar_over_hf']:.2f}x "
                    f"(median per prompt {_fmt(s['hf']['ar_over_hf_median'])}x)")
-    prof = s.get("dart_profile")
-    if prof:
+    for name, prof in s.get("profile", {}).items():
       ph = prof["phase_ms_per_round"]
       lines.append(
-          f"{'':<24} dart ms/round: search {ph['search']:.1f}, verify {ph['verify']:.1f}, "
-          f"accept {ph['accept']:.1f}, draft {ph['draft']:.1f} (sum {prof['phased_round_ms']:.1f}); "
+          f"{'':<24} {name} ms/round: search {ph['search']:.1f}, verify {ph['verify']:.1f}, "
+          f"accept {ph['accept']:.1f}, draft {ph['draft']:.1f} "
+          f"(sum {prof['phased_round_ms']:.1f}); "
           f"ar ms/step {_fmt(prof['ar_ms_per_step'], '.1f')}")
   return "\n".join(lines)
 
@@ -666,7 +677,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help="torch threads for the hf method (default: the CPU count; on a "
                       "busy machine 1 can be much faster, see the module docstring)")
   p.add_argument("--profile", action="store_true",
-                 help="also run DART with per-phase timing (search/verify/accept/draft)")
+                 help="also run every speculative method once more per prompt with "
+                      "per-phase timing (search/verify/accept/draft)")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
   return p
 
@@ -892,8 +904,9 @@ def run_benchmark(args, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
     raise InputError(f"--limit must be >= 1, got {args.limit}")
   if "ar" not in methods:
     methods.insert(0, "ar")  # The reference for speedups and greedy checks.
-  if args.profile and "dart" not in methods:
-    raise InputError("--profile times DART's phases: add dart to --method")
+  if args.profile and not any(m in LOSSLESS_METHODS for m in methods):
+    raise InputError("--profile times the phases of speculative methods: add at least "
+                     f"one of {', '.join(LOSSLESS_METHODS)} to --method")
   check_drafter_args(args, methods)
   if any(m in DART_GRU_METHODS for m in methods) and not args.dart_gru:
     raise InputError(f"--method {','.join(m for m in methods if m in DART_GRU_METHODS)} "
@@ -907,12 +920,14 @@ def run_benchmark(args, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
                      "prompts are chat text")
   drafters = load_drafters(args, target, methods)
   dartree_info = None
-  runners: dict[str, Any] = {"ar": JaxMethod(target)}
-  skipped, tree_info, profiler = [], None, None
+  # Speculative method -> its ``generate`` options (a runner each, and with
+  # --profile a phased twin).
+  speculative: dict[str, dict[str, Any]] = {}
+  skipped, tree_info = [], None
   if drafters:
     dartree_info = {"config": dataclasses.asdict(tree_config), "methods": {}}
     for m, (drafter, source) in drafters.items():
-      runners[m] = JaxMethod(target, draft=drafter, tree=m, tree_config=tree_config)
+      speculative[m] = dict(draft=drafter, tree=m, tree_config=tree_config)
       c = drafter.config
       dartree_info["methods"][m] = {
           "drafter": source, "domino": drafter.domino, "block_size": c.block_size,
@@ -926,15 +941,17 @@ def run_benchmark(args, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
                      "emb_dim": c.emb_dim, "gru_hidden_dim": c.gru_hidden_dim, "methods": {}}
     for m in (m for m in methods if m in DART_GRU_METHODS):
       tree = DART_GRU_TREES[m]
-      runners[m] = JaxMethod(target, draft=dart_gru, tree=tree, tree_config=tree_config)
+      speculative[m] = dict(draft=dart_gru, tree=tree, tree_config=tree_config)
       dart_gru_info["methods"][m] = {"tree": tree, "nodes": num_tree_nodes(
           resolve_method(tree, True), tree_config, c.num_levels, c.draft_vocab_size)}
   if "dart" in methods:
     head, ngram = load_dart_args(args, target)
     tree, tree_info = tree_config_from_args(args, target, head, ngram, log)
-    runners["dart"] = JaxMethod(target, draft=head, ngram=ngram, tree=tree)
-    if args.profile:
-      profiler = JaxMethod(target, draft=head, ngram=ngram, tree=tree, profile=True)
+    speculative["dart"] = dict(draft=head, ngram=ngram, tree=tree)
+  runners: dict[str, Any] = {"ar": JaxMethod(target)}
+  runners.update({m: JaxMethod(target, **options) for m, options in speculative.items()})
+  profilers = ({m: JaxMethod(target, **options, profile=True)
+                for m, options in speculative.items()} if args.profile else {})
   if "hf" in methods:
     try:
       torch_module, hf_model = load_hf_model(args.model, args.hf_threads)
@@ -945,13 +962,13 @@ def run_benchmark(args, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
   runners = {m: runners[m] for m in methods if m in runners}
 
   total = sum(num_items(n, args.limit) for n in names) * len(temperatures) * (
-      len(runners) + (profiler is not None))
+      len(runners) + len(profilers))
   bar = None
   if not args.no_progress:
     from tqdm import tqdm
     bar = tqdm(total=total, file=sys.stderr, desc="bench", unit="run")
   bench = Bench(target, runners, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                top_p=args.top_p, top_k=args.top_k, profiler=profiler,
+                top_p=args.top_p, top_k=args.top_k, profilers=profilers,
                 progress=bar.update if bar is not None else None)
   runs = []
   try:

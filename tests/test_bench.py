@@ -230,10 +230,10 @@ def test_bench_runs_methods_alternating_and_records_everything(tiny):
   tree = tb.tree_config_for(TREE_BUDGET)
   methods = {"ar": bench.JaxMethod(target),
              "dart": bench.JaxMethod(target, draft=head, tree=tree)}
-  profiler = bench.JaxMethod(target, draft=head, tree=tree, profile=True)
+  profilers = {"dart": bench.JaxMethod(target, draft=head, tree=tree, profile=True)}
   ticks = []
   b = bench.Bench(target, methods, max_new_tokens=MAX_NEW_TOKENS, seed=0,
-                  profiler=profiler, progress=ticks.append)
+                  profilers=profilers, progress=ticks.append)
   (item,) = bench.dataset_items("humaneval", 1, None)
   items = [bench.BenchItem("toy", str(i), item.prompt) for i in range(3)]
   run = b.run_dataset("toy", items, bench.Sampling(0.0))
@@ -242,23 +242,61 @@ def test_bench_runs_methods_alternating_and_records_everything(tiny):
   assert sum(ticks) == 3 * 3
   for row in run["prompts"]:
     ar, dart = row["methods"]["ar"], row["methods"]["dart"]
-    assert dart["matches_ar"] is True and row["profile"]["matches_ar"] is True
+    assert list(row["profile"]) == ["dart"]
+    prof = row["profile"]["dart"]
+    assert dart["matches_ar"] is True and prof["matches_ar"] is True
+    assert prof["tokens"] == ar["tokens"]
     assert ar["new_tokens"] == len(ar["tokens"])
     assert ar["new_tokens"] == MAX_NEW_TOKENS or ar["tokens"][-1] in (
         target.config.eos_token_ids)
     assert isinstance(ar["text"], str)
     assert ar["decode_s"] > 0 and ar["rounds"] == ar["new_tokens"] - 1
     assert dart["accept_len"] >= 1.0 and dart["speedup_vs_ar"] > 0
-    assert set(row["profile"]["phase_ms_per_round"]) == set(bench.PHASES)
+    assert set(prof["phase_ms_per_round"]) == set(bench.PHASES)
+    assert prof["phase_ms_per_round"]["verify"] == pytest.approx(
+        prof["phase_s"]["verify"] * 1e3 / prof["rounds"], rel=1e-12)
     assert ar["reruns"] == 0 or row is run["prompts"][0]  # only the first compiles
   s = run["summary"]
   assert s["dart"]["matches_ar"] == s["dart"]["compared"] == 3
-  assert set(s["dart_profile"]["phase_ms_per_round"]) == set(bench.PHASES)
-  assert s["dart_profile"]["ar_ms_per_step"] == s["ar"]["ms_per_round"]
+  assert list(s["profile"]) == ["dart"]
+  assert set(s["profile"]["dart"]["phase_ms_per_round"]) == set(bench.PHASES)
+  assert s["profile"]["dart"]["ar_ms_per_step"] == s["ar"]["ms_per_round"]
+  assert s["profile"]["dart"]["matches_ar"] == s["profile"]["dart"]["prompts"] == 3
   assert bench.greedy_mismatches([run]) == []
   json.dumps(run)  # JSON-serialisable as is
   table = bench.format_table([run])
   assert "dart ms/round: search" in table and "3/3" in table
+
+
+def test_summarize_profiles_every_method_by_hand():
+  rows = [_row(1.0, 10, 0.5, 10, 4, 2.5), _row(3.0, 10, 1.0, 10, 5, 2.0)]
+  for row in rows:
+    row["methods"]["dartree"] = dict(row["methods"]["dart"])
+  rows[0]["profile"] = {
+      "dart": {"rounds": 4, "phase_s": {"search": 0.4, "verify": 0.8, "accept": 0.2,
+                                        "draft": 0.2}, "matches_ar": True},
+      "dartree": {"rounds": 2, "phase_s": {"search": 0.1, "verify": 0.2, "accept": 0.1,
+                                           "draft": 0.1}, "matches_ar": False}}
+  rows[1]["profile"] = {
+      "dart": {"rounds": 6, "phase_s": {"search": 0.6, "verify": 1.2, "accept": 0.3,
+                                        "draft": 0.4}, "matches_ar": True}}
+  s = bench.summarize(rows, ["ar", "dart", "dartree"], temperature=0.0)
+  assert list(s["profile"]) == ["dart", "dartree"]
+  dart = s["profile"]["dart"]
+  # 10 rounds: search 1.0 s, verify 2.0, accept 0.5, draft 0.6 -> ms per round.
+  expected = {"search": 100.0, "verify": 200.0, "accept": 50.0, "draft": 60.0}
+  assert dart["phase_ms_per_round"] == pytest.approx(expected, rel=1e-12)
+  assert dart["phased_round_ms"] == pytest.approx(410.0, rel=1e-12)
+  assert (dart["prompts"], dart["rounds"], dart["matches_ar"]) == (2, 10, 2)
+  assert dart["ar_ms_per_step"] == s["ar"]["ms_per_round"]
+  tree = s["profile"]["dartree"]
+  assert (tree["prompts"], tree["rounds"], tree["matches_ar"]) == (1, 2, 0)
+  assert tree["phase_ms_per_round"]["verify"] == pytest.approx(100.0, rel=1e-12)
+  bad = bench.greedy_mismatches([{"dataset": "d", "temperature": 0.0, "prompts": rows}])
+  assert bad == [{"dataset": "d", "id": "x", "turn": 1, "method": "dartree(profile)"}]
+  table = bench.format_table([{"dataset": "d", "temperature": 0.0, "summary": s}])
+  assert "dart ms/round: search 100.0, verify 200.0, accept 50.0, draft 60.0 (sum 410.0)" in table
+  assert "dartree ms/round: search 50.0, verify 100.0" in table
 
 
 def test_turn1_answer_reuses_the_ar_greedy_run(tiny, monkeypatch):
@@ -318,6 +356,8 @@ def test_cli_rejects_bad_arguments(capsys):
   assert "unknown --method" in capsys.readouterr().err
   assert bench.main(["--dataset", "gsm8k"]) == 2
   assert "unknown --dataset" in capsys.readouterr().err
+  assert bench.main(["--method", "ar,hf", "--profile"]) == 2
+  assert "--profile times the phases of speculative methods" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------
@@ -384,6 +424,35 @@ def test_cli_runs_every_method_lossless_with_random_drafters(tmp_path, capsys):
       assert summary[key] is not None, (m, key)
     assert (summary["matches_ar"], summary["compared"]) == (1, 1), m
     assert f" {m} " in stdout
+
+
+def test_cli_profile_splits_the_round_of_every_speculative_method(tmp_path, capsys):
+  """--profile on ar,dart,dartree (random head and drafter, one prompt, T=0): a
+  phased run per speculative method, each with four timed phases and AR's tokens."""
+  out_json = tmp_path / "bench.json"
+  args = ["--method", "ar,dart,dartree", "--dataset", "humaneval", "--limit", "1",
+          "--max-new-tokens", str(MAX_NEW_TOKENS), "--model", str(FIXTURES / "tiny_llama"),
+          "--draft", "random", "--draft-length", str(DRAFT_LENGTH),
+          "--tree-budget", str(TREE_BUDGET), *DARTREE_ARGS, "--profile",
+          "--json", str(out_json), "--no-progress"]
+  assert bench.main(args) == 0
+  stdout = capsys.readouterr().out
+  result = json.loads(out_json.read_text())
+  assert result["greedy_mismatches"] == []
+  (run,) = result["runs"]
+  (row,) = run["prompts"]
+  assert list(row["profile"]) == ["dart", "dartree"]
+  for m in ("dart", "dartree"):
+    prof = row["profile"][m]
+    assert prof["matches_ar"] is True and prof["tokens"] == row["methods"]["ar"]["tokens"]
+    assert prof["rounds"] >= 1
+    assert set(prof["phase_s"]) == set(bench.PHASES)
+    assert all(v > 0 for v in prof["phase_s"].values()), (m, prof["phase_s"])
+    summary = run["summary"]["profile"][m]
+    assert (summary["prompts"], summary["matches_ar"]) == (1, 1)
+    assert summary["phased_round_ms"] == pytest.approx(
+        sum(prof["phase_s"].values()) * 1e3 / prof["rounds"], rel=1e-9)
+    assert f" {m} ms/round: search " in stdout
 
 
 def test_cli_runs_dart_gru_lossless_with_a_random_drafter(tmp_path, capsys):
