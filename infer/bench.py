@@ -6,7 +6,7 @@
       [--profile]
   python -m infer.bench --method ar,dart,dflash-chain,domino-chain,ddtree,dartree-fixed,dartree \\
       --draft /path/to/dart --domino /path/to/domino [--dflash /path/to/dflash] \\
-      [--dartree-budget 64 --dartree-width 12 --dartree-topk 64 --dartree-depth-bonus -0.2]
+      [--dartree-budget 64|auto --dartree-width 12 --dartree-topk 64 --dartree-depth-bonus -0.2]
   python -m infer.bench --method ar,dart,dart-gru,dart-gru-fixed --dart-gru /path/to/dart_gru \
       [--dartree-budget 16 --dartree-width 4 --dartree-topk 8]
 
@@ -40,6 +40,21 @@ Methods:
         (default: the CPU count). On a machine shared with other processes torch's
         OpenMP threads contend badly: on the 2-core development machine 2 threads
         were 3-5x slower than 1, so compare both settings there.
+
+Tree budgets: ``--tree-budget auto`` (dart) and ``--dartree-budget auto`` (ddtree,
+dartree-fixed, dartree, dart-gru, dart-gru-fixed; the chains take no budget)
+choose the budget before the bench from measurements (``infer.tree_budget``):
+the target's verify seconds per tree size, one calibration run of the method
+(greedy, a fixed non-benchmark prompt, the largest candidate tree) for its
+acceptance length and round overhead, and the budget with the best expected
+tokens/s. Every budget method gets its own calibration and budget (at one
+budget dartree-fixed's trees differ from the pruned ones, and the drafters
+may differ); the DARTree and DART-GRU methods share one verify-cost curve,
+timed once with the first method's taps (taps only choose which layer
+outputs a pass returns). The choices are logged (``[tree-budget] ...``,
+``[dartree-budget] METHOD: ...``) and recorded in the JSON: ``tree`` (dart),
+``dartree.methods.METHOD.budget_choice`` and ``dart_gru.methods.METHOD.budget_choice``
+(``dartree.config.budget`` / ``dart_gru.config.budget`` read "auto").
 
 Datasets (``infer.datasets``): MT-Bench (``--limit`` questions, both turns; turn 2
 continues from the AR greedy turn-1 answer for every method) and HumanEval
@@ -109,6 +124,8 @@ DOMINO_METHODS = ("domino-chain", "dartree-fixed", "dartree")
 DART_GRU_TREES = {"dart-gru": "dartree", "dart-gru-fixed": "dartree-fixed",
                   "dart-gru-chain": "chain"}
 DART_GRU_METHODS = tuple(DART_GRU_TREES)
+# ``generate`` tree names whose size is ``--dartree-budget`` (chains ignore it).
+BUDGET_TREES = ("ddtree", "dartree-fixed", "dartree")
 METHODS = ("ar", "dart") + DARTREE_METHODS + DART_GRU_METHODS + ("hf",)
 # Speculative methods whose greedy output must equal AR's token for token.
 LOSSLESS_METHODS = ("dart",) + DARTREE_METHODS + DART_GRU_METHODS
@@ -716,9 +733,14 @@ def add_dartree_args(p: argparse.ArgumentParser) -> None:
   g.add_argument("--drafter-gru-dim", type=int, default=32,
                  help="GRU state size G of a random drafter (default 32)")
   defaults = DARTreeConfig()
-  g.add_argument("--dartree-budget", type=int, default=None,
+  g.add_argument("--dartree-budget", default=None, metavar="N|auto",
                  help=f"draft nodes per round: DARTree's B_tree (the fixed variant's "
-                      f"total), DDTree's node budget (default {defaults.budget})")
+                      f"total), DDTree's node budget (default {defaults.budget}); "
+                      "infer.bench also takes 'auto': for each benched method that "
+                      "uses a budget (ddtree, dartree-fixed, dartree, dart-gru, "
+                      "dart-gru-fixed) it times the target's verify pass per tree size "
+                      "(once, shared) and runs one calibration, then picks the budget "
+                      "of the best expected tokens/s (see infer/tree_budget.py)")
   g.add_argument("--dartree-width", type=int, default=None,
                  help=f"dartree (pruned): supertree pairs kept per depth (default "
                       f"{defaults.supertree_width})")
@@ -748,11 +770,60 @@ def dartree_options_given(args) -> list[str]:
                   if getattr(args, name) is not None]
 
 
-def dartree_config(args) -> DARTreeConfig:
-  """``DARTreeConfig`` from the ``--dartree-*`` flags (ConfigError if invalid)."""
+def dartree_budget_arg(args) -> int | str | None:
+  """``--dartree-budget``: an int >= 1, "auto" or None (not given); InputError
+  for anything else."""
+  value = args.dartree_budget
+  if value is None or value == "auto":
+    return value
+  try:
+    budget = int(value)
+  except (TypeError, ValueError):
+    budget = None
+  if budget is None or budget < 1:
+    raise InputError(f"--dartree-budget must be an integer >= 1 or 'auto', got {value!r}")
+  return budget
+
+
+def dartree_config(args, allow_auto: bool = False) -> DARTreeConfig:
+  """``DARTreeConfig`` from the ``--dartree-*`` flags (ConfigError if invalid).
+
+  With ``--dartree-budget auto`` (only if ``allow_auto``: infer.bench measures
+  it per method) the budget is left at its default, to be replaced.
+  """
+  budget = dartree_budget_arg(args)
+  if budget == "auto" and not allow_auto:
+    raise InputError("--dartree-budget auto is measured by python -m infer.bench (it "
+                     "logs the budget it picks); pass an integer number of draft nodes here")
   given = {field: getattr(args, dest) for field, dest in _DARTREE_OPTIONS
-           if getattr(args, dest) is not None}
+           if getattr(args, dest) is not None and field != "budget"}
+  if budget is not None and budget != "auto":
+    given["budget"] = budget
   return DARTreeConfig(**given)
+
+
+def auto_dartree_budgets(target, tree_methods: dict[str, tuple[Any, str]],
+                         base: DARTreeConfig, log) -> dict[str, tb.BudgetChoice]:
+  """``--dartree-budget auto``: a measured budget per bench method whose tree takes one.
+
+  tree_methods: bench method -> (its drafter, ``generate``'s tree name); chains
+  are skipped. One verify-cost curve of the target, over the sizes every method
+  needs, is timed in one pass (with the first method's taps: taps only choose
+  which layer outputs a pass returns) and shared; each method then gets its own
+  calibration run (``tb.choose_budget``).
+  """
+  families = {m: tb.dartree_family(drafter, tree, base, label=m)
+              for m, (drafter, tree) in tree_methods.items() if tree in BUDGET_TREES}
+  if not families:
+    log("[dartree-budget] auto: none of the benched methods uses a budget (chains "
+        "ignore it)")
+    return {}
+  sizes = tuple(sorted(set().union(*(tb.verify_sizes(f) for f in families.values()))))
+  log(f"[dartree-budget] timing target verify passes for T in {sizes} (shared by "
+      f"{', '.join(families)}) ...")
+  costs = tb.measure_verify_costs(target, sizes, taps=next(iter(families.values())).taps)
+  return {m: tb.choose_budget(target, family, verify_costs=costs, log=log)
+          for m, family in families.items()}
 
 
 def check_drafter_args(args, methods: Sequence[str]) -> None:
@@ -911,39 +982,53 @@ def run_benchmark(args, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
   if any(m in DART_GRU_METHODS for m in methods) and not args.dart_gru:
     raise InputError(f"--method {','.join(m for m in methods if m in DART_GRU_METHODS)} "
                      "needs --dart-gru DIR (or --dart-gru random, timing only)")
-  tree_config = (dartree_config(args) if any(m in DARTREE_METHODS + DART_GRU_METHODS
-                                             for m in methods) else None)
+  dartree_budget = dartree_budget_arg(args)
+  tree_config = (dartree_config(args, allow_auto=True)
+                 if any(m in DARTREE_METHODS + DART_GRU_METHODS for m in methods) else None)
 
   target = dj.load_target(args.model)
   if target.tokenizer is None:
     raise InputError(f"the target at {target.source} has no tokenizer; the benchmark "
                      "prompts are chat text")
   drafters = load_drafters(args, target, methods)
-  dartree_info = None
+  dart_gru = load_dart_gru_args(args, target, methods)
+  # DARTree-family bench method -> (drafter, ``generate``'s tree name).
+  tree_methods = {m: (drafter, m) for m, (drafter, _) in drafters.items()}
+  tree_methods.update({m: (dart_gru, DART_GRU_TREES[m]) for m in methods
+                       if m in DART_GRU_METHODS})
+  choices = (auto_dartree_budgets(target, tree_methods, tree_config, log)
+             if dartree_budget == "auto" else {})
+  configs = {m: choices[m].tree if m in choices else tree_config for m in tree_methods}
+  config_json = None if tree_config is None else dict(
+      dataclasses.asdict(tree_config), **({"budget": "auto"} if dartree_budget == "auto"
+                                          else {}))
   # Speculative method -> its ``generate`` options (a runner each, and with
   # --profile a phased twin).
   speculative: dict[str, dict[str, Any]] = {}
   skipped, tree_info = [], None
+  dartree_info = None
   if drafters:
-    dartree_info = {"config": dataclasses.asdict(tree_config), "methods": {}}
+    dartree_info = {"config": dict(config_json), "methods": {}}
     for m, (drafter, source) in drafters.items():
-      speculative[m] = dict(draft=drafter, tree=m, tree_config=tree_config)
+      speculative[m] = dict(draft=drafter, tree=m, tree_config=configs[m])
       c = drafter.config
       dartree_info["methods"][m] = {
           "drafter": source, "domino": drafter.domino, "block_size": c.block_size,
-          "nodes": num_tree_nodes(m, tree_config, c.num_depths, c.vocab_size)}
-  dart_gru = load_dart_gru_args(args, target, methods)
+          "nodes": num_tree_nodes(m, configs[m], c.num_depths, c.vocab_size)}
   dart_gru_info = None
   if dart_gru is not None:
     c = dart_gru.config
-    dart_gru_info = {"drafter": str(args.dart_gru), "config": dataclasses.asdict(tree_config),
+    dart_gru_info = {"drafter": str(args.dart_gru), "config": dict(config_json),
                      "draft_length": c.draft_length, "draft_vocab_size": c.draft_vocab_size,
                      "emb_dim": c.emb_dim, "gru_hidden_dim": c.gru_hidden_dim, "methods": {}}
     for m in (m for m in methods if m in DART_GRU_METHODS):
       tree = DART_GRU_TREES[m]
-      speculative[m] = dict(draft=dart_gru, tree=tree, tree_config=tree_config)
+      speculative[m] = dict(draft=dart_gru, tree=tree, tree_config=configs[m])
       dart_gru_info["methods"][m] = {"tree": tree, "nodes": num_tree_nodes(
-          resolve_method(tree, True), tree_config, c.num_levels, c.draft_vocab_size)}
+          resolve_method(tree, True), configs[m], c.num_levels, c.draft_vocab_size)}
+  for m, choice in choices.items():
+    info = dart_gru_info if m in DART_GRU_METHODS else dartree_info
+    info["methods"][m]["budget_choice"] = {"source": "auto", **choice.to_json()}
   if "dart" in methods:
     head, ngram = load_dart_args(args, target)
     tree, tree_info = tree_config_from_args(args, target, head, ngram, log)
@@ -984,6 +1069,7 @@ def run_benchmark(args, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
     if bar is not None:
       bar.close()
   config = {k: v for k, v in vars(args).items()}
+  config["dartree_budget"] = dartree_budget  # parsed: an int, "auto" or None
   config["methods_run"] = list(runners)
   return {"config": config, "environment": _environment(), "tree": tree_info,
           "dartree": dartree_info, "dart_gru": dart_gru_info, "skipped": skipped,

@@ -1,41 +1,64 @@
-"""Choosing DART's tree budget (``remain_total``) from measured costs.
+"""Choosing the tree budget of a speculative method from measured costs.
 
-A DART round verifies ``T = N + 1`` tokens (the root plus N draft nodes) in one
+A round verifies ``T = N + 1`` tokens (the root plus N draft nodes) in one
 target pass and emits ``accept(N)`` tokens on average. Decoding speed is
 
     tokens / s  =  accept(N) / (verify_cost(N + 1) + overhead)
 
-where ``overhead`` is the rest of a round (tree search, acceptance, the head's
-drafting), roughly independent of N. On a TPU/GPU ``verify_cost`` is nearly flat
-in T, so large trees win; on a CPU a 64-token pass costs several single-token
-steps, so the best N is small. ``--tree-budget auto`` measures the pieces:
+where ``overhead`` is the rest of a round (tree search, acceptance, the
+drafter's pass), roughly independent of N. On a TPU/GPU ``verify_cost`` is
+nearly flat in T, so large trees win; on a CPU a 64-token pass costs several
+single-token steps, so the best N is small. ``choose_budget`` measures the
+pieces for one method family (``TreeFamily``):
 
-1. ``measure_verify_costs``: one compiled target forward per T in
-   ``VERIFY_SIZES`` = 1, 2, 4, ..., 64 with a tree mask (a binary tree) against a
-   cache of ``context_len`` committed tokens, timed as the median of ``reps``
-   repetitions that visit the sizes in alternating order (forward, then
-   backward), so that drift on a shared machine hits every size alike.
-2. ``calibrate``: one short greedy DART run of the user's head on
-   ``CALIBRATION_PROMPT`` (not a benchmark prompt) with the largest budget,
-   ``N_max = 63``, gives the acceptance length ``L_max`` there; a second, shorter
-   and already compiled run gives the seconds per round, and
+1. ``measure_verify_costs``: one compiled target forward per T (by default T in
+   ``VERIFY_SIZES`` = 1, 2, 4, ..., 64) with a tree mask (a binary tree)
+   against a cache of ``context_len`` committed tokens, timed as the median of
+   ``reps`` repetitions that visit the sizes in alternating order (forward,
+   then backward), so that drift on a shared machine hits every size alike.
+2. ``calibrate``: one short greedy run of the user's drafter on
+   ``CALIBRATION_PROMPT`` (not a benchmark prompt) with the largest candidate
+   tree, ``N_max`` nodes, gives the acceptance length ``L_max`` there; a
+   second, shorter and already compiled run gives the seconds per round, and
    ``overhead = max(0, round_s - verify_cost(N_max + 1))``.
 3. The acceptance model is a fixed concave prior pinned to that measurement:
    ``accept(N) = 1 + (L_max - 1) * log(1 + N) / log(1 + N_max)``, capped at the
-   deepest possible path ``D + 1``. (Acceptance grows roughly logarithmically in
-   the number of tree nodes: each extra node is a less likely candidate.)
-4. ``choose_tree_budget`` picks the N (one of ``T - 1`` for the measured T)
-   maximising the rate above; ties go to the smaller tree.
+   longest path a round can emit (D + 1). (Acceptance grows roughly
+   logarithmically in the number of tree nodes: each extra node is a less
+   likely candidate.)
+4. ``choose_tree_budget`` picks the N maximising the rate above; ties go to
+   the smaller tree.
 
-topk / beam_width: a tree of N nodes never holds more than N children of one
-node or N beam members, so unless given they are ``min(25, N)`` and
-``min(20, N)`` (the reference defaults, capped), which makes the search cheaper.
+Candidates. The budgets tried are ``T - 1`` for the T >= 2 of ``sizes``; a
+family maps a budget to the draft nodes its trees really hold
+(``TreeFamily.nodes_for``), and the candidates are those node counts (each
+reached by its smallest budget), so verify costs are measured at the real
+``nodes + 1``. The families:
+
+- DART (``auto_tree_budget``, ``--tree-budget auto``): the budget is
+  ``TreeConfig.remain_total`` = nodes. topk / beam_width: a tree of N nodes
+  never holds more than N children of one node or N beam members, so unless
+  given they are ``min(25, N)`` and ``min(20, N)`` (the reference defaults,
+  capped), which makes the search cheaper. Longest path D + 1 (D the head's
+  draft length); verify taps DART's layers.
+- DARTree (``auto_dartree_budget``, ``--dartree-budget auto``): the budget is
+  ``DARTreeConfig.budget`` (B_tree), the other fields the user's. Nodes =
+  ``dart_jax.tree.dartree.num_tree_nodes``: "dartree" (pruned) keeps
+  ``min(B, sum of its supertree widths)`` (at most D x supertree_width), and
+  "ddtree" ``min(B, sum_d min(B, K^d))``, so budgets past the largest tree
+  collapse onto it; "dartree-fixed" builds ``ceil(remaining / remaining
+  depths)`` pairs per depth, each capped at frontier x K (``level_widths``),
+  so it holds exactly B nodes unless a cap bites (then fewer, e.g. D = 2,
+  K = 2: B = 7 builds 2 + 4 = 6). Chains have no budget. Drafters: DFlash /
+  Domino (D = block_size - 1 depths, longest path block_size, taps
+  ``config.taps``) and DART-GRU (D + 1 levels, longest path D + 2, DART's taps;
+  the tree is built over its draft vocabulary).
 """
 
 import dataclasses
 import math
 import time
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -100,7 +123,8 @@ def choose_tree_budget(cost_curve: Mapping[int, float],
 
 def log_prior_accept_curve(accept_at_max: float, max_budget: int, max_depth: int
                            ) -> Callable[[int], float]:
-  """``N -> 1 + (L_max - 1) * log(1 + N) / log(1 + N_max)``, capped at ``max_depth``.
+  """``N -> 1 + (L_max - 1) * log(1 + N) / log(1 + N_max)``, capped at ``max_depth``
+  and at ``N + 1`` (N nodes hold no path longer than N, plus the bonus token).
 
   accept_at_max: measured acceptance length L_max with ``max_budget`` nodes;
   max_depth: the longest emittable path per round (D + 1).
@@ -109,7 +133,7 @@ def log_prior_accept_curve(accept_at_max: float, max_budget: int, max_depth: int
 
   def accept(budget: int) -> float:
     value = 1.0 + gain * math.log1p(budget) / math.log1p(max_budget)
-    return min(value, float(max_depth))
+    return min(value, float(max_depth), budget + 1.0)
 
   return accept
 
@@ -142,7 +166,7 @@ def measure_verify_costs(target, sizes=VERIFY_SIZES, *, context_len: int = 192,
 
   Each pass reads ``context_len`` committed cache rows (the attention window is
   rounded up as ``generate`` rounds it), computes logits for all T rows and the
-  DART taps, like a verification round.
+  ``taps`` (default: the target's DART tap layers), like a verification round.
   """
   taps = tuple(target.config.dart_tap_layers if taps is None else taps)
   largest = max(sizes)
@@ -177,12 +201,27 @@ def measure_verify_costs(target, sizes=VERIFY_SIZES, *, context_len: int = 192,
   return {size: float(np.median(t)) for size, t in times.items()}
 
 
+DART_MODEL = ("accept(N) = 1 + (L_max-1) log(1+N)/log(1+N_max), capped at D+1; "
+              "rate = accept(N) / (verify(N+1) + overhead)")
+DARTREE_MODEL = ("N = draft nodes the budget builds; accept(N) = 1 + (L_max-1) "
+                 "log(1+N)/log(1+N_max), capped at the longest path; "
+                 "rate = accept(N) / (verify(N+1) + overhead)")
+
+
 @dataclasses.dataclass
 class BudgetChoice:
-  """What ``auto_tree_budget`` measured and chose (all times in seconds)."""
+  """What ``choose_budget`` measured and chose (all times in seconds).
+
+  budget: the chosen budget; tree: the tree option built with it (a DART
+  ``TreeConfig`` or a ``DARTreeConfig``); max_budget: the calibration tree's
+  budget; expected_tokens_per_s: {budget: tokens/s} per candidate;
+  tree_fields: the tree's other settings, for the JSON; nodes: {budget: draft
+  nodes} per candidate where nodes can differ from the budget (DARTree),
+  else None.
+  """
 
   budget: int
-  tree: TreeConfig
+  tree: Any
   verify_costs: dict[int, float]
   accept_at_max: float
   max_budget: int
@@ -190,25 +229,63 @@ class BudgetChoice:
   overhead_s: float
   expected_tokens_per_s: dict[int, float]
   ar_tokens_per_s: float  # 1 / verify_cost(1): the model's plain-decoding estimate
+  tree_fields: dict = dataclasses.field(default_factory=dict)
+  nodes: dict[int, int] | None = None
+  model: str = DART_MODEL
 
   def to_json(self) -> dict:
-    return {
-        "budget": self.budget, "topk": self.tree.topk,
-        "beam_width": self.tree.beam_width,
+    out = {"budget": self.budget, **self.tree_fields}
+    if self.nodes is not None:
+      out.update(nodes=self.nodes[self.budget], max_nodes=self.nodes[self.max_budget],
+                 nodes_per_budget={str(b): n for b, n in self.nodes.items()})
+    out.update({
         "verify_ms": {str(t): c * 1e3 for t, c in self.verify_costs.items()},
         "accept_at_max": self.accept_at_max, "max_budget": self.max_budget,
         "round_ms_at_max": self.round_s_at_max * 1e3,
         "overhead_ms": self.overhead_s * 1e3,
         "expected_tokens_per_s": {str(n): r for n, r in self.expected_tokens_per_s.items()},
         "ar_tokens_per_s_estimate": self.ar_tokens_per_s,
-        "model": "accept(N) = 1 + (L_max-1) log(1+N)/log(1+N_max), capped at D+1; "
-                 "rate = accept(N) / (verify(N+1) + overhead)",
-    }
+        "model": self.model,
+    })
+    return out
 
 
-def calibrate(target, head, ngram, tree: TreeConfig, *, prompt: str = CALIBRATION_PROMPT,
+@dataclasses.dataclass(frozen=True)
+class TreeFamily:
+  """What the budget choice needs to know about one method (``dart_family``,
+  ``dartree_family``); the measurement, the prior and the choice are shared.
+
+  tree_for: budget -> the tree option ``generate`` takes (also recorded).
+  generate_kwargs: tree option -> ``generate``'s method keyword arguments
+    (``draft=``, ``tree=``, ...), for the calibration runs.
+  max_path: the most tokens one round can emit (the deepest path + the bonus).
+  nodes_for: budget -> draft nodes per round of the trees it builds.
+  taps: target layers the verify pass taps (None: the target's DART taps).
+  budget_name: what the budget is called in the log.
+  describe: tree option -> its other settings, for the log.
+  tree_json: tree option -> its other settings, for ``BudgetChoice.to_json``.
+  log_prefix: starts every log line.
+  model: the model's description in the JSON.
+  reports_nodes: record the node count per budget (where it can differ).
+  """
+
+  tree_for: Callable[[int], Any]
+  generate_kwargs: Callable[[Any], dict]
+  max_path: int
+  nodes_for: Callable[[int], int] = lambda budget: budget
+  taps: tuple[int, ...] | None = None
+  budget_name: str = "budget"
+  describe: Callable[[Any], str] = str
+  tree_json: Callable[[Any], dict] = lambda tree: {}
+  log_prefix: str = "[tree-budget]"
+  model: str = DART_MODEL
+  reports_nodes: bool = False
+
+
+def calibrate(target, method_kwargs: dict, *, prompt: str = CALIBRATION_PROMPT,
               seed: int = 0) -> tuple[float, float]:
-  """Greedy DART on ``prompt`` with ``tree`` -> (acceptance length, seconds per round).
+  """Greedy decoding of ``prompt`` with ``generate(**method_kwargs)`` ->
+  (acceptance length, seconds per round).
 
   The first run (which compiles) gives the acceptance length; a shorter second run,
   compiled by then, gives the round time.
@@ -218,7 +295,7 @@ def calibrate(target, head, ngram, tree: TreeConfig, *, prompt: str = CALIBRATIO
   # Without a tokenizer (random test targets) a fixed run of token ids stands in.
   prompt_arg = prompt if target.tokenizer is not None else [
       i % target.config.vocab_size for i in range(1, 33)]
-  kwargs = dict(draft=head, ngram=ngram, tree=tree, temperature=0.0, seed=seed)
+  kwargs = dict(method_kwargs, temperature=0.0, seed=seed)
   first = dj.generate(target, prompt_arg, max_new_tokens=CALIBRATION_TOKENS, **kwargs)
   timed = dj.generate(target, prompt_arg, max_new_tokens=TIMING_TOKENS, **kwargs)
   s = timed.stats
@@ -227,26 +304,167 @@ def calibrate(target, head, ngram, tree: TreeConfig, *, prompt: str = CALIBRATIO
   return first.stats.mean_accept_len, round_s
 
 
+def candidate_budgets(family: TreeFamily, sizes=VERIFY_SIZES) -> dict[int, int]:
+  """{draft nodes: the smallest budget building them} for the budgets ``T - 1``
+  of the T >= 2 in ``sizes``, in increasing order."""
+  by_nodes: dict[int, int] = {}
+  for budget in sorted({int(t) - 1 for t in sizes if int(t) >= 2}):
+    by_nodes.setdefault(int(family.nodes_for(budget)), budget)
+  if not by_nodes:
+    raise InputError(f"the tree budget needs a verify size T >= 2 among {tuple(sizes)}")
+  return dict(sorted(by_nodes.items()))
+
+
+def verify_sizes(family: TreeFamily, sizes=VERIFY_SIZES) -> tuple[int, ...]:
+  """The verify sizes T a choice for ``family`` needs: ``nodes + 1`` per candidate,
+  and 1 (plain decoding, for the estimate of its speed) if ``sizes`` holds it."""
+  nodes = candidate_budgets(family, sizes)
+  return tuple(sorted(({1} & {int(t) for t in sizes}) | {n + 1 for n in nodes}))
+
+
+def pick_budget(verify_costs: Mapping[int, float], by_nodes: Mapping[int, int],
+                accept_at_max: float, round_s: float, max_path: int
+                ) -> tuple[int, float, dict[int, float]]:
+  """The choice from measured numbers -> (budget, overhead_s, {budget: tokens/s}).
+
+  verify_costs: {T: seconds}, holding ``nodes + 1`` for every candidate;
+  by_nodes: {draft nodes: budget} (``candidate_budgets``); accept_at_max and
+  round_s: the calibration with the most nodes; max_path: the longest path.
+  """
+  max_nodes = max(by_nodes)
+  overhead = max(0.0, round_s - verify_costs[max_nodes + 1])
+  accept = log_prior_accept_curve(accept_at_max, max_nodes, max_path)
+  node_costs = {n + 1: verify_costs[n + 1] for n in by_nodes}
+  nodes = choose_tree_budget(node_costs, accept, overhead)
+  rates = expected_rates(node_costs, accept, overhead)
+  return by_nodes[nodes], overhead, {by_nodes[n]: r for n, r in rates.items()}
+
+
+def choose_budget(target, family: TreeFamily, *, sizes=VERIFY_SIZES,
+                  context_len: int = 192, reps: int = 7,
+                  verify_costs: dict[int, float] | None = None, log=print) -> BudgetChoice:
+  """Measures verify costs and a calibration run, then picks the budget.
+
+  verify_costs: measured ``{T: seconds}`` of this target to reuse, e.g. one
+  curve timed for several methods (``verify_sizes`` says which T each needs).
+  If it lacks one of them, all the sizes this choice needs are timed again in
+  one pass (sizes timed at different moments of a busy machine do not compare)
+  and written into it.
+  """
+  p = family.log_prefix
+  by_nodes = candidate_budgets(family, sizes)
+  wanted = verify_sizes(family, sizes)
+  if verify_costs is not None and all(t in verify_costs for t in wanted):
+    costs = {t: verify_costs[t] for t in wanted}
+  else:
+    log(f"{p} timing target verify passes for T in {wanted} ...")
+    costs = measure_verify_costs(target, wanted, context_len=context_len, reps=reps,
+                                 taps=family.taps)
+    if verify_costs is not None:
+      verify_costs.update(costs)
+  log(f"{p} verify ms: " + ", ".join(f"T={t}: {c * 1e3:.1f}" for t, c in costs.items()))
+  max_nodes = max(by_nodes)
+  max_budget = by_nodes[max_nodes]
+  big_tree = family.tree_for(max_budget)
+  log(f"{p} calibration run with {family.budget_name}={max_budget} "
+      f"({family.describe(big_tree)}) ...")
+  accept_at_max, round_s = calibrate(target, family.generate_kwargs(big_tree))
+  budget, overhead, rates = pick_budget(costs, by_nodes, accept_at_max, round_s,
+                                        family.max_path)
+  tree = family.tree_for(budget)
+  choice = BudgetChoice(
+      budget, tree, costs, accept_at_max, max_budget, round_s, overhead, rates,
+      1.0 / costs[1] if 1 in costs else float("nan"), tree_fields=family.tree_json(tree),
+      nodes={b: n for n, b in by_nodes.items()} if family.reports_nodes else None,
+      model=family.model)
+  log(f"{p} L_max={accept_at_max:.2f} at {family.budget_name}={max_budget}, overhead "
+      f"{overhead * 1e3:.1f} ms/round -> {family.budget_name}={budget} "
+      f"({family.describe(tree)}); expected {rates[budget]:.1f} tok/s")
+  return choice
+
+
+def dart_family(head, ngram=None, topk: int | None = None,
+                beam_width: int | None = None) -> TreeFamily:
+  """DART: budget = ``TreeConfig.remain_total`` = draft nodes (see the module
+  docstring); calibrated with ``generate(draft=head, ngram=ngram, tree=...)``."""
+  return TreeFamily(
+      tree_for=lambda budget: tree_config_for(budget, topk, beam_width),
+      generate_kwargs=lambda tree: dict(draft=head, ngram=ngram, tree=tree),
+      max_path=head.config.draft_length + 1, budget_name="remain_total",
+      describe=lambda tree: f"topk {tree.topk}, beam {tree.beam_width}",
+      tree_json=lambda tree: {"topk": tree.topk, "beam_width": tree.beam_width})
+
+
 def auto_tree_budget(target, head, ngram=None, *, topk: int | None = None,
                      beam_width: int | None = None, sizes=VERIFY_SIZES,
                      context_len: int = 192, reps: int = 7, log=print) -> BudgetChoice:
-  """Measures verify costs and a calibration run, then picks the budget."""
-  log(f"[tree-budget] timing target verify passes for T in {tuple(sizes)} ...")
-  costs = measure_verify_costs(target, sizes, context_len=context_len, reps=reps)
-  log("[tree-budget] verify ms: " + ", ".join(f"T={t}: {c * 1e3:.1f}"
-                                               for t, c in costs.items()))
-  max_budget = max(sizes) - 1
-  big_tree = tree_config_for(max_budget, topk, beam_width)
-  log(f"[tree-budget] calibration run with remain_total={max_budget} ...")
-  accept_at_max, round_s = calibrate(target, head, ngram, big_tree)
-  overhead = max(0.0, round_s - costs[max(sizes)])
-  accept = log_prior_accept_curve(accept_at_max, max_budget, head.config.draft_length + 1)
-  budget = choose_tree_budget(costs, accept, overhead)
-  rates = expected_rates(costs, accept, overhead)
-  choice = BudgetChoice(budget, tree_config_for(budget, topk, beam_width), costs,
-                        accept_at_max, max_budget, round_s, overhead, rates,
-                        1.0 / costs[min(sizes)] if min(sizes) == 1 else float("nan"))
-  log(f"[tree-budget] L_max={accept_at_max:.2f} at N={max_budget}, overhead "
-      f"{overhead * 1e3:.1f} ms/round -> remain_total={budget} (topk {choice.tree.topk}, "
-      f"beam {choice.tree.beam_width}); expected {rates[budget]:.1f} tok/s")
-  return choice
+  """DART's measured tree budget (``--tree-budget auto``): a ``BudgetChoice``
+  whose tree is a ``TreeConfig`` with ``remain_total`` = the chosen budget."""
+  return choose_budget(target, dart_family(head, ngram, topk, beam_width), sizes=sizes,
+                       context_len=context_len, reps=reps, log=log)
+
+
+def dartree_family(drafter, method: str = "dartree", base_config=None, *,
+                   label: str | None = None) -> TreeFamily:
+  """A DARTree method on a DFlash/Domino or DART-GRU drafter: budget =
+  ``DARTreeConfig.budget``, the other fields ``base_config``'s (default
+  ``DARTreeConfig()``); nodes = ``num_tree_nodes`` (see the module docstring).
+
+  method: "dartree", "dartree-fixed" or "ddtree" (chains take no budget);
+  label: the method's name in the log (default ``method``).
+  Raises InputError for a chain or an unknown drafter, ConfigError for a
+  method the drafter cannot run.
+  """
+  from dart_jax.draft.dart_gru import DartGruDrafter  # Local: see ``calibrate``.
+  from dart_jax.draft.dflash import DFlashDrafter
+  from dart_jax.tree.dartree import DARTreeConfig, num_tree_nodes, resolve_method
+
+  base_config = base_config or DARTreeConfig()
+  if isinstance(drafter, DFlashDrafter):
+    c = drafter.config
+    resolved = resolve_method(method, drafter.domino)
+    depths, vocab, taps = c.num_depths, c.vocab_size, tuple(c.taps)
+  elif isinstance(drafter, DartGruDrafter):
+    c = drafter.config
+    resolved = resolve_method(method, True)
+    depths, vocab, taps = c.num_levels, c.draft_vocab_size, tuple(c.tap_layers)
+  else:
+    raise InputError(f"the DARTree budget needs a DFlashDrafter or DartGruDrafter, got "
+                     f"{type(drafter).__name__}")
+  if resolved in ("dflash-chain", "domino-chain"):
+    raise InputError(f"method {method!r} is a chain of {depths} nodes: it takes no "
+                     "budget to choose")
+
+  def tree_for(budget: int):
+    return dataclasses.replace(base_config, budget=budget)
+
+  def nodes(tree) -> int:
+    return num_tree_nodes(resolved, tree, depths, vocab)
+
+  def describe(tree) -> str:
+    n = nodes(tree)
+    return (f"{n} node{'s' if n != 1 else ''}; topk {tree.topk}, width "
+            f"{tree.supertree_width}, depth bonus {tree.depth_bonus:g}")
+
+  return TreeFamily(
+      tree_for=tree_for,
+      generate_kwargs=lambda tree: dict(draft=drafter, tree=method, tree_config=tree),
+      max_path=depths + 1, nodes_for=lambda budget: nodes(tree_for(budget)), taps=taps,
+      budget_name="budget", describe=describe,
+      tree_json=lambda tree: {"method": resolved, "topk": tree.topk,
+                              "supertree_width": tree.supertree_width,
+                              "depth_bonus": tree.depth_bonus},
+      log_prefix=f"[dartree-budget] {label or method}:", model=DARTREE_MODEL,
+      reports_nodes=True)
+
+
+def auto_dartree_budget(target, drafter, method: str = "dartree", base_config=None, *,
+                        sizes=VERIFY_SIZES, context_len: int = 192, reps: int = 7,
+                        verify_costs: dict[int, float] | None = None,
+                        label: str | None = None, log=print) -> BudgetChoice:
+  """A DARTree method's measured budget (``--dartree-budget auto``): a
+  ``BudgetChoice`` whose tree is ``base_config`` (default ``DARTreeConfig()``)
+  with ``budget`` = the chosen one. ``verify_costs``: see ``choose_budget``."""
+  family = dartree_family(drafter, method, base_config, label=label)
+  return choose_budget(target, family, sizes=sizes, context_len=context_len, reps=reps,
+                       verify_costs=verify_costs, log=log)

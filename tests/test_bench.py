@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import dart_jax as dj
-from dart_jax.tree.dartree import CORRECTED_METHODS, TREE_METHODS
+from dart_jax.tree.dartree import CORRECTED_METHODS, TREE_METHODS, DARTreeConfig
 from infer import bench, datasets
 from infer import tree_budget as tb
 from tests.test_dflash import released_dir
@@ -69,6 +69,7 @@ def test_log_prior_accept_curve():
   assert np.all(gains > 0) and np.all(np.diff(gains) < 1e-12)  # concave in log steps
   assert tb.log_prior_accept_curve(9.0, 63, max_depth=5)(63) == 5.0  # capped at D+1
   assert tb.log_prior_accept_curve(0.7, 63, max_depth=5)(15) == 1.0  # never below 1
+  assert tb.log_prior_accept_curve(9.0, 63, max_depth=16)(1) == 2.0  # 1 node: <= 2 tokens
   # With the prior and the CPU-like costs: N=3 gives 1+2*log4/log64=1.667 -> 1.667,
   # N=7: 2.0/1.3=1.538, N=1: 1.333 -> N=3.
   assert tb.choose_tree_budget(COSTS, accept) == 3
@@ -123,6 +124,95 @@ def test_auto_tree_budget_measures_and_chooses(tiny):
   doc = choice.to_json()
   assert set(doc["verify_ms"]) == {"1", "4"} and doc["budget"] == 3
   assert any("remain_total=3" in line for line in logged)
+
+
+def _fake_measurements(monkeypatch, costs, accept_at_max, round_s):
+  """Replaces the timing and the calibration run by fixed numbers; returns the
+  lists of requested sizes and of calibration kwargs."""
+  measured, calibrated = [], []
+
+  def measure(target, sizes, **kwargs):
+    measured.append(tuple(sizes))
+    return {t: costs[t] for t in sizes}
+
+  def calibrate(target, method_kwargs, **kwargs):
+    calibrated.append(method_kwargs)
+    return accept_at_max, round_s
+
+  monkeypatch.setattr(tb, "measure_verify_costs", measure)
+  monkeypatch.setattr(tb, "calibrate", calibrate)
+  return measured, calibrated
+
+
+def test_dart_and_dartree_choices_agree_on_the_same_curve(tiny, monkeypatch):
+  """One implementation: with the same verify costs, L_max, round time and longest
+  path (D = 2 draft depths: 3 tokens), DART and a DARTree method whose node
+  count equals its budget choose the same budget."""
+  target, head = tiny
+  # overhead = 15 - cost(64) = 10 s; accept(N) = 1 + 2 log(1+N)/log 64 (cap 3):
+  # N=7: 2.0/11.3 = 0.177, N=15: 2.333/12 = 0.194, N=31: 2.667/12.5 = 0.213,
+  # N=63: 3.0/15 = 0.200 -> 31.
+  measured, calibrated = _fake_measurements(monkeypatch, COSTS, 3.0, 15.0)
+  dart = tb.auto_tree_budget(target, head, log=lambda msg: None)
+  assert dart.budget == 31 and dart.tree.remain_total == 31
+  assert dart.overhead_s == pytest.approx(10.0, abs=1e-12)
+  assert calibrated[0]["tree"].remain_total == 63 and calibrated[0]["draft"] is head
+  drafter = dj.DFlashDrafter.init(target, block_size=DRAFT_LENGTH + 1, domino=True)
+  # ddtree with K = 64 >= 63: every budget up to 63 builds exactly that many nodes.
+  base = DARTreeConfig(topk=64, supertree_width=5, depth_bonus=-0.5)
+  tree = tb.auto_dartree_budget(target, drafter, "ddtree", base, log=lambda msg: None)
+  assert tree.budget == dart.budget
+  assert tree.expected_tokens_per_s == pytest.approx(dart.expected_tokens_per_s, rel=1e-12)
+  assert tree.tree == DARTreeConfig(topk=64, supertree_width=5, budget=31, depth_bonus=-0.5)
+  assert measured == [tb.VERIFY_SIZES] * 2
+  assert calibrated[1]["tree"] == "ddtree" and calibrated[1]["tree_config"].budget == 63
+  # The pure choice gives the same answer from the same numbers.
+  identity = {n: n for n in (1, 3, 7, 15, 31, 63)}
+  assert tb.pick_budget(COSTS, identity, 3.0, 15.0, 3)[0] == 31
+
+
+def test_dartree_fixed_candidates_are_the_node_counts_it_builds(tiny, monkeypatch):
+  """dartree-fixed with D = 2 depths and K = 2: budget 1 builds 1 node, 3 builds
+  2 + 1, and 7 or more build 2 + 4 = 6 (depth 1 holds at most K, depth 2 at most
+  2K). The candidates are 1, 3, 6 nodes, timed at T = 2, 4, 7."""
+  target, _ = tiny
+  costs = {1: 1.0, 2: 1.0, 4: 1.0, 7: 1.1}
+  # L_max 2.5 at 6 nodes, no overhead: accept(n) = 1 + 1.5 log(1+n)/log 7:
+  # n=1: 1.534/1.0, n=3: 2.069/1.0, n=6: 2.5/1.1 = 2.273 -> 6 nodes, budget 7.
+  measured, calibrated = _fake_measurements(monkeypatch, costs, 2.5, 1.1)
+  drafter = dj.DFlashDrafter.init(target, block_size=3, domino=True)
+  shared = {}
+  choice = tb.auto_dartree_budget(target, drafter, "dartree-fixed",
+                                  DARTreeConfig(topk=2), verify_costs=shared,
+                                  log=lambda msg: None)
+  assert measured == [(1, 2, 4, 7)]
+  assert choice.nodes == {1: 1, 3: 3, 7: 6}
+  assert (choice.budget, choice.max_budget) == (7, 7)
+  assert calibrated[0]["tree"] == "dartree-fixed"
+  assert calibrated[0]["tree_config"] == DARTreeConfig(topk=2, budget=7)
+  assert choice.expected_tokens_per_s == pytest.approx(
+      {1: 1 + 1.5 * math.log(2) / math.log(7), 3: 1 + 1.5 * math.log(4) / math.log(7),
+       7: 2.5 / 1.1}, rel=1e-12)
+  doc = choice.to_json()
+  assert (doc["budget"], doc["nodes"], doc["max_nodes"], doc["method"]) == (
+      7, 6, 6, "dartree-fixed")
+  assert doc["nodes_per_budget"] == {"1": 1, "3": 3, "7": 6}
+  # Given costs are reused when they hold every size; the pruned tree (widths 2,
+  # 2: at most 4 nodes) also needs T = 5, so its sizes are timed together again.
+  assert shared == costs
+  assert tb.auto_dartree_budget(target, drafter, "dartree-fixed", DARTreeConfig(topk=2),
+                                verify_costs=shared, log=lambda msg: None).budget == 7
+  assert measured == [(1, 2, 4, 7)]
+  costs[5] = 1.05
+  pruned = tb.dartree_family(drafter, "dartree", DARTreeConfig(topk=2, supertree_width=2))
+  assert tb.verify_sizes(pruned) == (1, 2, 4, 5)
+  tb.choose_budget(target, pruned, verify_costs=shared, log=lambda msg: None)
+  assert measured == [(1, 2, 4, 7), (1, 2, 4, 5)]
+  with pytest.raises(dj.InputError, match="chain of 2 nodes: it takes no budget"):
+    tb.auto_dartree_budget(target, drafter, "domino-chain", log=lambda msg: None)
+  with pytest.raises(dj.ConfigError, match="needs the Domino correction head"):
+    tb.auto_dartree_budget(target, dj.DFlashDrafter.init(target, block_size=3), "dartree",
+                           log=lambda msg: None)
 
 
 # ----------------------------------------------------------------------------
@@ -559,10 +649,101 @@ def test_drafter_for_another_target_is_rejected(tiny, drafter_dirs):
     (["--method", "dartree", "--drafter", "random", "--dartree-depth-bonus", "0.5"],
      "depth_bonus must be <= 0"),
     (["--method", "dartree", "--drafter", "random", "--dartree-budget", "0"],
-     "budget must be an int >= 1"),
+     "--dartree-budget must be an integer >= 1 or 'auto', got '0'"),
+    (["--method", "dartree", "--drafter", "random", "--dartree-budget", "1.5"],
+     "--dartree-budget must be an integer >= 1 or 'auto', got '1.5'"),
+    (["--method", "ddtree", "--drafter", "random", "--dartree-budget", "Auto"],
+     "--dartree-budget must be an integer >= 1 or 'auto', got 'Auto'"),
+    (["--method", "ar", "--dartree-budget", "-3"],
+     "--dartree-budget must be an integer >= 1 or 'auto', got '-3'"),
 ])
 def test_cli_rejects_bad_dartree_arguments(argv, message, capsys):
   # All caught before the target loads (the default model would take seconds).
   assert bench.main(argv) == 2
   err = capsys.readouterr().err
   assert err.startswith("error: ") and re.search(message, err), err
+
+
+def test_cli_dartree_budget_auto_measures_the_budget(tmp_path, capsys, monkeypatch):
+  """--dartree-budget auto on ar,dartree (tiny_llama, the random drafter of the
+  other DARTree CLI tests: K = 2, width 2, D = 2): the budget is chosen before
+  the bench, logged, recorded in the JSON, and the run stays lossless.
+
+  The verify costs are fixed (the real timing is tested below) so that the
+  choice is known: T = 2 and T = 5 cost 1000x T = 4, so 3 nodes (budget 3) win
+  whatever the calibration run (real here) measures; the bench then runs the
+  tree the lossless CLI test above compiled.
+  """
+  fake_costs = {1: 1e-3, 2: 1.0, 4: 1e-3, 5: 1.0}
+  timed = []
+
+  def measure(target, sizes, **kwargs):
+    timed.append(tuple(sizes))
+    return {t: fake_costs[t] for t in sizes}
+
+  monkeypatch.setattr(tb, "measure_verify_costs", measure)
+  out_json = tmp_path / "bench.json"
+  args = ["--method", "ar,dartree", "--dataset", "humaneval", "--limit", "1",
+          "--max-new-tokens", str(MAX_NEW_TOKENS), "--model", str(FIXTURES / "tiny_llama"),
+          "--drafter", "random", "--drafter-block-size", "3", "--dartree-topk", "2",
+          "--dartree-width", "2", "--dartree-budget", "auto",
+          "--json", str(out_json), "--no-progress"]
+  assert bench.main(args) == 0
+  err = capsys.readouterr().err
+  assert ("[dartree-budget] timing target verify passes for T in (1, 2, 4, 5) (shared "
+          "by dartree)") in err
+  assert "[dartree-budget] dartree: calibration run with budget=7 (4 nodes" in err
+  result = json.loads(out_json.read_text())
+  assert result["config"]["dartree_budget"] == "auto"
+  assert result["greedy_mismatches"] == []
+  info = result["dartree"]
+  assert info["config"] == {"topk": 2, "supertree_width": 2, "budget": "auto",
+                            "depth_bonus": -0.2}
+  entry = info["methods"]["dartree"]
+  choice = entry["budget_choice"]
+  assert choice["source"] == "auto" and choice["method"] == "dartree"
+  assert choice["nodes_per_budget"] == {"1": 1, "3": 3, "7": 4}
+  assert (choice["budget"], choice["nodes"], choice["max_budget"]) == (3, 3, 7)
+  assert entry["nodes"] == 3  # the bench ran the chosen tree
+  assert timed == [(1, 2, 4, 5)]  # timed once, in one pass
+  assert choice["verify_ms"] == pytest.approx({"1": 1.0, "2": 1e3, "4": 1.0, "5": 1e3},
+                                              rel=1e-12)
+  assert 1.0 <= choice["accept_at_max"] <= 3.0
+  assert "-> budget=3 (3 nodes; topk 2, width 2, depth bonus -0.2)" in err
+  (row,) = result["runs"][0]["prompts"]
+  rec = row["methods"]["dartree"]
+  assert rec["matches_ar"] is True and rec["tokens"] == row["methods"]["ar"]["tokens"]
+
+
+def test_dartree_budget_auto_is_for_the_bench_only(capsys):
+  from infer import main as cli
+  assert cli.main(["--prompt", "Hi", "--method", "dartree", "--drafter", "random",
+                   "--dartree-budget", "auto"]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: --dartree-budget auto is measured by python -m infer.bench")
+
+
+def test_auto_dartree_budget_measures_and_chooses(tiny):
+  """The real path on tiny_llama with a random Domino drafter (D = 2, K = 2,
+  width 2): budgets 1, 3, 7 build 1, 3, 4 nodes (the pruned tree holds at most
+  2 + 2)."""
+  target, _ = tiny
+  drafter = dj.DFlashDrafter.init(target, block_size=3, domino=True)
+  base = DARTreeConfig(topk=2, supertree_width=2)
+  logged = []
+  # After the CLI test above (same drafter and tree): its compiled calibration
+  # rounds are reused.
+  choice = tb.auto_dartree_budget(target, drafter, "dartree", base, sizes=(1, 2, 4, 8),
+                                  reps=3, log=logged.append)
+  assert choice.nodes == {1: 1, 3: 3, 7: 4}
+  assert choice.budget in choice.nodes and choice.max_budget == 7
+  assert isinstance(choice.tree, DARTreeConfig)
+  assert choice.tree == DARTreeConfig(topk=2, supertree_width=2, budget=choice.budget)
+  assert sorted(choice.verify_costs) == [1, 2, 4, 5]
+  assert all(0 < c < 5.0 for c in choice.verify_costs.values())
+  assert 1.0 <= choice.accept_at_max <= 3.0  # D + 1 tokens at most
+  assert choice.round_s_at_max > 0 and choice.overhead_s >= 0
+  assert set(choice.expected_tokens_per_s) == {1, 3, 7}
+  assert any(line.startswith("[dartree-budget] dartree: ") and
+             f"-> budget={choice.budget} ({choice.nodes[choice.budget]} node" in line
+             for line in logged), logged
