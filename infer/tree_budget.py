@@ -201,10 +201,10 @@ def measure_verify_costs(target, sizes=VERIFY_SIZES, *, context_len: int = 192,
   return {size: float(np.median(t)) for size, t in times.items()}
 
 
-DART_MODEL = ("accept(N) = 1 + (L_max-1) log(1+N)/log(1+N_max), capped at D+1; "
-              "rate = accept(N) / (verify(N+1) + overhead)")
+DART_MODEL = ("accept(N) = 1 + (L_max-1) log(1+N)/log(1+N_max), capped at D+1 "
+              "and N+1; rate = accept(N) / (verify(N+1) + overhead)")
 DARTREE_MODEL = ("N = draft nodes the budget builds; accept(N) = 1 + (L_max-1) "
-                 "log(1+N)/log(1+N_max), capped at the longest path; "
+                 "log(1+N)/log(1+N_max), capped at the longest path and N+1; "
                  "rate = accept(N) / (verify(N+1) + overhead)")
 
 
