@@ -33,7 +33,7 @@ from dart_jax.models import layers
 from dart_jax.models.target import Target
 from dart_jax.models.transformer import KVCache
 from dart_jax.profiling import PhaseTimer, Wrap, no_wrap
-from dart_jax.sampling import SamplingConfig
+from dart_jax.sampling import KeySequence, SamplingConfig
 from dart_jax.speculative import verify_trees
 from dart_jax.tree.dartree import (CORRECTED_METHODS, DARTreeConfig, dartree_build,
                                    num_tree_nodes, resolve_method)
@@ -223,14 +223,10 @@ class DARTreeDecoder:
     self.num_nodes = num_tree_nodes(self.method, self.tree_config, c.num_depths,
                                     c.vocab_size)
     self.scratch_rows = self.num_nodes + 1
-    self.key = jax.random.PRNGKey(seed)
+    self.keys = KeySequence(seed)
     self.profile = profile
     self.timer = PhaseTimer()
     self.phase_s = self.timer.seconds  # filled in profile mode
-
-  def _next_key(self):
-    self.key, sub = jax.random.split(self.key)
-    return sub
 
   def start(self, tokens, prompt_lens, capacity, key=None):
     t, d = self.target, self.drafter
@@ -247,14 +243,14 @@ class DARTreeDecoder:
                                  c.num_kv_heads, c.head_dim, t.dtype)
     first, state = dartree_prefill(
         t.graphdef, t.params, d.graphdef, d.params, cache, draft_cache, tokens,
-        prompt_lens, self._next_key(), sampling=self.sampling, attn_impl=t.attn_impl)
+        prompt_lens, self.keys.next(), sampling=self.sampling, attn_impl=t.attn_impl)
     return state, first
 
   def step(self, state, active, attend_len):
     t, d = self.target, self.drafter
     static = dict(method=self.method, tree_config=self.tree_config,
                   sampling=self.sampling, attend_len=attend_len, attn_impl=t.attn_impl)
-    args = (t.graphdef, t.params, d.graphdef, d.params, state, active, self._next_key())
+    args = (t.graphdef, t.params, d.graphdef, d.params, state, active, self.keys.next())
     if not self.profile:
       return dartree_round(*args, **static)
     wrap = self.timer.wrap(_round, t.graphdef, d.graphdef, *sorted(static.items()))

@@ -20,7 +20,7 @@ from flax import nnx
 
 from dart_jax.errors import InputError
 from dart_jax.models.target import Target
-from dart_jax.sampling import SamplingConfig, sample
+from dart_jax.sampling import KeySequence, SamplingConfig, sample
 
 _PROMPT_PAD = 32  # prefill lengths are padded to a multiple of this (fewer compiles)
 _MIN_ATTEND = 64  # smallest cache window a round reads
@@ -94,24 +94,20 @@ class ARDecoder:
   def __init__(self, target: Target, sampling: SamplingConfig, seed: int = 0):
     self.target = target
     self.sampling = sampling
-    self.key = jax.random.PRNGKey(seed)
-
-  def _next_key(self) -> jax.Array:
-    self.key, sub = jax.random.split(self.key)
-    return sub
+    self.keys = KeySequence(seed)
 
   def start(self, tokens, prompt_lens, capacity, key=None):
     t = self.target
     cache = t.new_cache(tokens.shape[0], capacity)
     first, cache, _ = prefill(t.graphdef, t.params, cache, tokens, prompt_lens,
-                              self._next_key(), sampling=self.sampling, taps=(),
+                              self.keys.next(), sampling=self.sampling, taps=(),
                               attn_impl=t.attn_impl)
     return (cache, first), first
 
   def step(self, state, active, attend_len):
     cache, last = state
     t = self.target
-    nxt, cache = _ar_step(t.graphdef, t.params, cache, last, active, self._next_key(),
+    nxt, cache = _ar_step(t.graphdef, t.params, cache, last, active, self.keys.next(),
                           attend_len=attend_len, sampling=self.sampling,
                           attn_impl=t.attn_impl)
     return (cache, nxt), nxt[:, None], jnp.ones_like(nxt)

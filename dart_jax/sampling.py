@@ -12,6 +12,18 @@ import jax.numpy as jnp
 from dart_jax.errors import InputError
 
 
+class KeySequence:
+  """The PRNG keys of one decoding call, one per use, from a seed (so that a
+  call is reproducible)."""
+
+  def __init__(self, seed: int):
+    self._key = jax.random.PRNGKey(seed)
+
+  def next(self) -> jax.Array:
+    self._key, sub = jax.random.split(self._key)
+    return sub
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
   """temperature 0 = greedy; top_p in (0, 1]; top_k 0 = off."""

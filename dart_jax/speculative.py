@@ -26,7 +26,7 @@ from dart_jax.models import layers
 from dart_jax.models.target import Target
 from dart_jax.models.transformer import KVCache
 from dart_jax.profiling import PhaseTimer, Wrap, no_wrap
-from dart_jax.sampling import SamplingConfig
+from dart_jax.sampling import KeySequence, SamplingConfig
 from dart_jax.tree import TreeConfig, dart_search
 from dart_jax.verify import accept_tree
 
@@ -234,14 +234,10 @@ class DartDecoder:
     self.scratch_rows = (builder.num_nodes if builder is not None
                          else self.tree_config.remain_total) + 1
     self.with_hidden = builder is not None and builder.needs_hidden
-    self.key = jax.random.PRNGKey(seed)
+    self.keys = KeySequence(seed)
     self.profile = profile
     self.timer = PhaseTimer()
     self.phase_s = self.timer.seconds  # filled in profile mode
-
-  def _next_key(self):
-    self.key, sub = jax.random.split(self.key)
-    return sub
 
   def start(self, tokens, prompt_lens, capacity, key=None):
     t, h = self.target, self.head
@@ -256,7 +252,7 @@ class DartDecoder:
                                  h.config.head_dim, t.dtype)
     first, state = dart_prefill(
         t.graphdef, t.params, h.graphdef, h.params, cache, draft_cache, tokens,
-        prompt_lens, self._next_key(), sampling=self.sampling, attn_impl=t.attn_impl,
+        prompt_lens, self.keys.next(), sampling=self.sampling, attn_impl=t.attn_impl,
         with_hidden=self.with_hidden)
     return state, first
 
@@ -266,7 +262,7 @@ class DartDecoder:
                   attend_len=attend_len, attn_impl=t.attn_impl,
                   context_size=self.context_size, builder=self.builder)
     args = (t.graphdef, t.params, h.graphdef, h.params, self.table, state, active,
-            self._next_key())
+            self.keys.next())
     if not self.profile:
       return dart_round(*args, **static)
     wrap = self.timer.wrap(_round, t.graphdef, h.graphdef, *sorted(static.items()))
