@@ -12,9 +12,9 @@ import argparse
 import sys
 
 import dart_jax as dj
-from infer import bench
+from infer import bench_options
 
-METHODS = ("ar", "dart") + bench.DARTREE_METHODS + bench.DART_GRU_METHODS
+METHODS = ("ar", "dart") + bench_options.DARTREE_METHODS + bench_options.DART_GRU_METHODS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="DART: draft nodes verified per round (remain_total)")
   p.add_argument("--no-chat", action="store_true", help="use the prompt as raw text")
   p.add_argument("--stats", action="store_true", help="print statistics to stderr")
-  bench.add_dartree_args(p)
+  bench_options.add_dartree_args(p)
   return p
 
 
@@ -69,7 +69,7 @@ def choose_method(args) -> str:
       method = "ar"
   dart_flags = [f for f, v in (("--draft", args.draft), ("--ngram", args.ngram),
                                ("--tree-budget", args.tree_budget)) if v]
-  dartree_flags = bench.dartree_options_given(args)
+  dartree_flags = bench_options.dartree_options_given(args)
   if method == "ar":
     if dart_flags or dartree_flags:
       raise dj.InputError(f"{', '.join(dart_flags + dartree_flags)}: only for "
@@ -86,7 +86,7 @@ def choose_method(args) -> str:
     raise dj.InputError(f"{', '.join(dart_flags)} are DART options; --method {method} "
                         "takes --domino / --dflash / --drafter random (DART-GRU: "
                         "--dart-gru) and --dartree-*")
-  elif method in bench.DART_GRU_METHODS:
+  elif method in bench_options.DART_GRU_METHODS:
     others = [f for f in dartree_flags if f in ("--dflash", "--domino", "--drafter")]
     if others:
       raise dj.InputError(f"{', '.join(others)}: DARTree drafters; --method {method} "
@@ -96,7 +96,7 @@ def choose_method(args) -> str:
   else:
     if args.dart_gru:
       raise dj.InputError(f"--dart-gru is for the DART-GRU methods, not --method {method}")
-    bench.check_drafter_args(args, [method])
+    bench_options.check_drafter_args(args, [method])
   return method
 
 
@@ -104,19 +104,19 @@ def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
   try:
     method = choose_method(args)
-    tree_config = (bench.dartree_config(args)
-                   if method in bench.DARTREE_METHODS + bench.DART_GRU_METHODS else None)
+    tree_methods = bench_options.DARTREE_METHODS + bench_options.DART_GRU_METHODS
+    tree_config = bench_options.dartree_config(args) if method in tree_methods else None
     target = dj.load_target(args.model)
     kwargs = {}
     if method == "dart":
-      kwargs["draft"], kwargs["ngram"] = bench.load_dart_args(args, target)
+      kwargs["draft"], kwargs["ngram"] = bench_options.load_dart_args(args, target)
       if args.tree_budget:
         kwargs["tree"] = dj.tree.TreeConfig(remain_total=args.tree_budget)
-    elif method in bench.DART_GRU_METHODS:
-      kwargs.update(draft=bench.load_dart_gru_args(args, target, [method]),
-                    tree=bench.DART_GRU_TREES[method], tree_config=tree_config)
+    elif method in bench_options.DART_GRU_METHODS:
+      kwargs.update(draft=bench_options.load_dart_gru_args(args, target, [method]),
+                    tree=bench_options.DART_GRU_TREES[method], tree_config=tree_config)
     elif tree_config is not None:
-      drafter, _ = bench.load_drafters(args, target, [method])[method]
+      drafter, _ = bench_options.load_drafters(args, target, [method])[method]
       kwargs.update(draft=drafter, tree=method, tree_config=tree_config)
     stream = dj.generate_stream(
         target, args.prompt, max_new_tokens=args.max_new_tokens,

@@ -27,7 +27,7 @@ import sys
 import numpy as np
 
 import dart_jax as dj
-from infer import bench
+from infer import bench_options
 from train import data as data_lib
 
 
@@ -52,7 +52,7 @@ def build_ngram(target, data_paths, order: int, min_count: int) -> dj.ngram.NGra
 def choose_tree(target, head, ngram, tree_budget: str) -> tuple[dict, dict]:
   """(TreeConfig fields, how they were chosen) for ``--tree-budget auto|N``."""
   args = argparse.Namespace(tree_budget=tree_budget, topk=None, beam_width=None)
-  tree, how = bench.tree_config_from_args(args, target, head, ngram, print)
+  tree, how = bench_options.tree_config_from_args(args, target, head, ngram, print)
   fields = {"topk": tree.topk, "beam_width": tree.beam_width,
             "remain_total": tree.remain_total}
   return fields, how
