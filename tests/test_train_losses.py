@@ -218,8 +218,9 @@ def test_dart_loss_matches_numpy():
   teacher[0, 0, 0, 7] = 10.0
   draft[0, 0, 0, 3] = 10.0
   weights[0, 0, 0] = True
-  loss, stats = losses.dart_loss(jnp.asarray(draft), jnp.asarray(teacher), jnp.asarray(weights),
-                                 jnp.asarray(d2t), 0.6)
+  loss, stats = losses.dart_loss(
+      jnp.asarray(draft), losses.teacher_from_logits(jnp.asarray(teacher), jnp.asarray(d2t)),
+      jnp.asarray(weights), jnp.asarray(d2t), 0.6)
 
   def log_softmax(x):
     x = x - x.max(-1, keepdims=True)

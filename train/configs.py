@@ -110,6 +110,13 @@ class DataSection:
   pack: pack several conversations per row (segment-isolated attention).
   max_examples: use only the first N records (0 = all).
   cache: cache tokenized rows under ``WORKDIR/data_cache``.
+  target_features: "online" runs the frozen target in every step; "cached"
+    (DART and DART-GRU) runs it once per training row and stores what the
+    loss reads (taps, teacher log-probs over the draft vocabulary, teacher
+    argmax) under ``WORKDIR/features``, so later epochs cost only the head
+    (``train/features.py``). Evaluation stays online.
+  features_dtype: storage of the cached taps and log-probs: float16 (half the
+    disk) or float32 (the online step's numbers exactly).
   """
 
   train: tuple[str, ...] = SAMPLE_DATA
@@ -120,6 +127,8 @@ class DataSection:
   shuffle_seed: int = 0
   max_examples: int = 0
   cache: bool = True
+  target_features: str = "online"
+  features_dtype: str = "float16"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +228,16 @@ class TrainConfig:
     if self.head.kind not in DRAFTER_KINDS:
       raise ConfigError(f"head.kind must be one of {', '.join(DRAFTER_KINDS)}, got "
                         f"{self.head.kind!r}")
+    if self.data.target_features not in ("online", "cached"):
+      raise ConfigError(f"data.target_features must be online or cached, got "
+                        f"{self.data.target_features!r}")
+    if self.data.features_dtype not in ("float16", "float32"):
+      raise ConfigError(f"data.features_dtype must be float16 or float32, got "
+                        f"{self.data.features_dtype!r}")
+    if self.data.target_features == "cached" and self.head.kind not in ("dart", "dart_gru"):
+      raise ConfigError(f"data.target_features=cached is for DART heads (head.kind=dart "
+                        f"or dart_gru); a {self.head.kind} drafter reads the target "
+                        "online")
     if not 0 <= self.data.eval_fraction < 1:
       raise ConfigError(f"data.eval_fraction must be in [0, 1), got "
                         f"{self.data.eval_fraction}")

@@ -49,12 +49,13 @@ def corrected_levels(dart, correction, target_model, batch: dict, anchors: jax.A
   """Teacher-forced corrected logits of every anchor's levels.
 
   anchors: [B, A]. Returns (corrected [B, A, K, Vd], base [B, A, K, Vd] (the
-  frozen head's), teacher [B, A, K, V] target logits), K = D+1; only
+  frozen head's), teacher: ``losses.Teacher`` at [B, A, K]), K = D+1; only
   ``corrected`` carries gradients (to the correction's parameters).
   """
   c = dart.config
-  taps, teacher, next_embeds = losses.target_forward(
-      target_model, batch, anchors, c.tap_layers, c.num_levels, attn_impl=attn_impl)
+  taps, teacher, next_embeds = losses.target_features(
+      target_model, batch, anchors, c.tap_layers, c.num_levels,
+      jax.lax.stop_gradient(dart.d2t[...]), attn_impl=attn_impl)
   hidden = jax.lax.stop_gradient(losses.draft_hidden(
       dart, next_embeds, taps, batch["positions"], batch["segment_ids"], anchors,
       attn_impl=attn_impl))

@@ -397,12 +397,17 @@ def eval_batches(rows: Rows, batch: int, max_batches: int) -> list[dict[str, np.
     if len(out) >= max_batches:
       break
     index = np.arange(start, min(start + batch, len(rows)))
-    part = rows.take(index)
-    if len(index) < batch:
-      part = {k: np.concatenate([v, np.zeros((batch - len(index),) + v.shape[1:], v.dtype)])
-              for k, v in part.items()}
-    out.append(part)
+    out.append(pad_batch(rows.take(index), batch))
   return out
+
+
+def pad_batch(part: dict[str, np.ndarray], batch: int) -> dict[str, np.ndarray]:
+  """Pads a short batch with empty rows up to ``batch`` (one compiled shape)."""
+  missing = batch - len(next(iter(part.values())))
+  if missing <= 0:
+    return part
+  return {k: np.concatenate([v, np.zeros((missing,) + v.shape[1:], v.dtype)])
+          for k, v in part.items()}
 
 
 # ------------------------------------------------------------------ prepare

@@ -42,6 +42,7 @@ from dart_jax.errors import CheckpointError, ConfigError
 from train import dart_gru_losses
 from train import data as data_lib
 from train import dflash_losses
+from train import features as features_lib
 from train import losses
 from train import sharding
 from train.configs import REQUIRED, OptimSection, TrainConfig, to_dict
@@ -211,8 +212,9 @@ def _forward(settings: StepSettings, target_graphdef, target_params, params, buf
         attn_impl=settings.attn_impl)
   valid = losses.level_targets(batch["loss_mask"], batch["segment_ids"], c.num_levels)
   anchors, weights = losses.choose_anchors(key, valid, settings.num_anchors)
-  taps, teacher, next_embeds = losses.target_forward(
-      target_model, batch, anchors, c.tap_layers, c.num_levels, attn_impl=settings.attn_impl)
+  taps, teacher, next_embeds = losses.target_features(
+      target_model, batch, anchors, c.tap_layers, c.num_levels, buffers["d2t"],
+      attn_impl=settings.attn_impl)
   cast = jax.tree.map(lambda p: p.astype(compute), params)
   head = merge_head(c, cast, buffers, compute)
   draft = losses.draft_logits(head, next_embeds, taps, batch["positions"],
@@ -448,6 +450,20 @@ def _make_head(config: TrainConfig, target, rows: data_lib.Rows
   return head
 
 
+def _target_features(config: TrainConfig, target, rows: data_lib.Rows, head,
+                     settings: StepSettings, workdir: str) -> features_lib.FeatureStore:
+  """The cached frozen-target features of the training rows (built on first use)."""
+  if jax.process_count() > 1:
+    raise ConfigError("data.target_features=cached runs on a single host; use "
+                      "data.target_features=online on a multi-host run")
+  dart = head.dart_head() if isinstance(head, DartGruDrafter) else head
+  d2t = split_head(dart, jnp.float32)[1]["d2t"]
+  return features_lib.load_or_build(
+      target, rows, dart.config.tap_layers, np.asarray(d2t), workdir,
+      dtype=config.data.features_dtype, batch_size=config.batch_size,
+      attn_impl=settings.attn_impl, progress=config.progress)
+
+
 def _checkpoint_manager(workdir: str, keep: int) -> ocp.CheckpointManager:
   options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
   return ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")),
@@ -497,6 +513,9 @@ def train(config: TrainConfig, workdir: str, *,
   iterator = data_lib.BatchIterator(
       prepared.train, config.batch_size, config.data.shuffle_seed,
       process_index=jax.process_index(), process_count=jax.process_count())
+  features = None
+  if config.data.target_features == "cached":
+    features = _target_features(config, target, prepared.train, head, settings, workdir)
   local_rows = config.batch_size // jax.process_count()
   evals = []
   if prepared.eval is not None:
@@ -553,7 +572,11 @@ def train(config: TrainConfig, workdir: str, *,
     tokens = 0
     try:
       for step in range(start, config.steps):
-        batch = sharding.global_batch(next(iterator), mesh)
+        index = iterator.indices(iterator.batches)
+        local = next(iterator)
+        if features is not None:
+          local = {**local, **features.take(index)}
+        batch = sharding.global_batch(local, mesh)
         state, metrics = train_step(state, target_params, batch, settings=settings,
                                     target_graphdef=target.graphdef)
         running = (metrics["stats"] if running is None

@@ -187,30 +187,78 @@ def target_forward(target_model, batch: dict, anchors: jax.Array, tap_layers,
   out = target_model(tokens, batch["positions"], None, mask, taps=tuple(tap_layers),
                      logit_rows=rows, attn_impl=attn_impl)
   teacher = out.logits.reshape(bsz, anchors.shape[1], num_levels, -1)
-  next_tokens = jnp.concatenate([tokens[:, 1:], jnp.zeros((bsz, 1), tokens.dtype)], axis=1)
-  next_embeds = target_model.embed(next_tokens)
   return (jax.lax.stop_gradient(out.taps), jax.lax.stop_gradient(teacher),
-          jax.lax.stop_gradient(next_embeds))
+          _next_embeds(target_model, tokens))
 
 
-def dart_loss(draft: jax.Array, teacher: jax.Array, weights: jax.Array, d2t: jax.Array,
+class Teacher(NamedTuple):
+  """What the frozen target teaches at each (anchor, level).
+
+  logp: [..., Vd] float32 log-softmax of the target's logits at the draft ids
+    (renormalised over the draft vocabulary: the KL's teacher).
+  argmax: [...] int32 the target's argmax over the FULL vocabulary (accuracy).
+  """
+
+  logp: jax.Array
+  argmax: jax.Array
+
+
+def teacher_from_logits(logits: jax.Array, d2t: jax.Array) -> Teacher:
+  """logits: [..., V] target logits; d2t: [Vd] offsets (draft id i is target id
+  i + d2t[i])."""
+  used = jnp.arange(d2t.shape[0]) + d2t.astype(jnp.int32)
+  teacher_d = jnp.take(logits, used, axis=-1).astype(jnp.float32)
+  return Teacher(jax.nn.log_softmax(teacher_d, axis=-1),
+                 jnp.argmax(logits, axis=-1).astype(jnp.int32))
+
+
+def target_features(target_model, batch: dict, anchors: jax.Array, tap_layers,
+                    num_levels: int, d2t: jax.Array, *, attn_impl: str = "xla"
+                    ) -> tuple[jax.Array, Teacher, jax.Array]:
+  """(taps [B, T, 3Ht], Teacher at [B, A, K], next_embeds [B, T, H]) of a batch.
+
+  From the batch's precomputed features when it carries them (``taps``,
+  ``teacher_logp``, ``teacher_argmax``: see ``train/features.py``), else from a
+  frozen target pass. Only the token embeddings of the target are read in the
+  first case.
+  """
+  if "taps" not in batch:
+    taps, logits, next_embeds = target_forward(target_model, batch, anchors, tap_layers,
+                                               num_levels, attn_impl=attn_impl)
+    return taps, teacher_from_logits(logits, d2t), next_embeds
+  bsz, length = batch["tokens"].shape
+  rows = teacher_rows(anchors, num_levels, length)
+  shape = (bsz, anchors.shape[1], num_levels)
+  logp = layers.gather_rows(batch["teacher_logp"], rows).astype(jnp.float32)
+  argmax = jnp.take_along_axis(batch["teacher_argmax"], rows, axis=1)
+  teacher = Teacher(logp.reshape(shape + logp.shape[-1:]), argmax.reshape(shape))
+  next_embeds = _next_embeds(target_model, batch["tokens"])
+  return batch["taps"].astype(next_embeds.dtype), teacher, next_embeds
+
+
+def _next_embeds(target_model, tokens: jax.Array) -> jax.Array:
+  """Embeddings of x_{p+1} (0 past the row's end). tokens [B, T] -> [B, T, H]."""
+  next_tokens = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+  return jax.lax.stop_gradient(target_model.embed(next_tokens))
+
+
+def dart_loss(draft: jax.Array, teacher: Teacher, weights: jax.Array, d2t: jax.Array,
               level_decay: float) -> tuple[jax.Array, LevelStats]:
   """KL(teacher || draft) per level over the draft vocabulary, decayed and summed.
 
-  draft: [B, A, K, Vd]; teacher: [B, A, K, V] target logits; weights: [B, A, K]
-  bool; d2t: [Vd] offsets. Returns (loss scalar, LevelStats sums [K]).
+  draft: [B, A, K, Vd]; teacher: at [B, A, K]; weights: [B, A, K] bool; d2t:
+  [Vd] offsets. Returns (loss scalar, LevelStats sums [K]).
   """
   vd = draft.shape[-1]
   used = jnp.arange(vd) + d2t.astype(jnp.int32)
-  teacher_d = jnp.take(teacher, used, axis=-1).astype(jnp.float32)
-  log_p = jax.nn.log_softmax(teacher_d, axis=-1)
+  log_p = teacher.logp
   log_q = jax.nn.log_softmax(draft.astype(jnp.float32), axis=-1)
   kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)  # [B, A, K]
   w = weights.astype(jnp.float32)
   count = w.sum(axis=(0, 1))
   kl_sum = (kl * w).sum(axis=(0, 1))
   draft_ids = used[jnp.argmax(draft, axis=-1)]
-  correct = (draft_ids == jnp.argmax(teacher, axis=-1)).astype(jnp.float32)
+  correct = (draft_ids == teacher.argmax).astype(jnp.float32)
   correct_sum = (correct * w).sum(axis=(0, 1))
   decay = level_decay ** jnp.arange(draft.shape[2], dtype=jnp.float32)
   loss = jnp.sum(decay * kl_sum / jnp.maximum(count, 1.0))
