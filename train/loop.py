@@ -13,7 +13,9 @@ head, whole, is the buffers), the Optax state, the step
 and the RNG key (anchor sampling). The data iterator's state is saved next to
 it as JSON, so a restarted run continues with exactly the batches and anchors
 it would have seen. The target is frozen: its parameters are an argument of the step, never
-differentiated and never saved.
+differentiated and never saved. With ``data.target_features=cached`` (DART,
+DART-GRU) its pass runs once per training row before the first step
+(``train/features.py``) and batches carry the stored features instead.
 """
 
 import dataclasses
