@@ -144,3 +144,27 @@ def test_cached_features_are_only_for_dart_heads():
     configs.load_config("tiny", ["data.target_features=offline"])
   with pytest.raises(ConfigError, match="float16 or float32"):
     configs.load_config("tiny", ["data.features_dtype=bfloat16"])
+
+
+def test_dart_gru_loss_from_cached_features_equals_online(tiny, tmp_path):
+  """DART-GRU reads the same features (its frozen head's taps and vocabulary)."""
+  import jax
+
+  from train import dart_gru_losses
+  target, head, rows, d2t = tiny
+  drafter = dj.DartGruDrafter.from_head(head, seed=2)
+  store = _build(tiny, tmp_path, dtype="float32")
+  index = np.array([1, 4])
+  online = {k: np.asarray(v) for k, v in rows.take(index).items()}
+  cached = {**online, **store.take(index)}
+
+  def loss(batch):
+    return dart_gru_losses.forward(
+        drafter.dart_head().module(), drafter.correction_module(), target.module(), batch,
+        jax.random.PRNGKey(3), num_anchors=6, level_decay=0.6)
+
+  online_loss, (online_stats, _) = loss(online)
+  cached_loss, (cached_stats, _) = loss(cached)
+  assert float(online_stats.count.sum()) > 0
+  np.testing.assert_allclose(float(cached_loss), float(online_loss), rtol=1e-5)
+  np.testing.assert_array_equal(np.asarray(cached_stats.correct), np.asarray(online_stats.correct))

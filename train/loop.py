@@ -459,9 +459,8 @@ def _target_features(config: TrainConfig, target, rows: data_lib.Rows, head,
     raise ConfigError("data.target_features=cached runs on a single host; use "
                       "data.target_features=online on a multi-host run")
   dart = head.dart_head() if isinstance(head, DartGruDrafter) else head
-  d2t = split_head(dart, jnp.float32)[1]["d2t"]
   return features_lib.load_or_build(
-      target, rows, dart.config.tap_layers, np.asarray(d2t), workdir,
+      target, rows, dart.config.tap_layers, np.asarray(dart.params["d2t"][...]), workdir,
       dtype=config.data.features_dtype, batch_size=config.batch_size,
       attn_impl=settings.attn_impl, progress=config.progress)
 
