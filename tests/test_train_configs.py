@@ -19,6 +19,7 @@ def test_presets_exist_and_are_consistent():
   assert smol.target.path is None  # the embedded SmolLM2 target
   assert 8192 <= smol.head.draft_vocab_size <= 16384 and smol.head.draft_length == 5
   assert all(os.path.isfile(p) for p in smol.data.train)  # the bundled self-distilled data
+  assert smol.data.eval and all(os.path.isfile(p) for p in smol.data.eval)
   assert configs.load_config("qwen3_8b_dart").target.path == configs.REQUIRED
 
 
@@ -102,3 +103,17 @@ def test_required_target_path_is_reported_before_loading():
 
   with pytest.raises(ConfigError, match="target.path"):
     loop._load_target(configs.load_config("qwen3_8b_dart"))
+
+
+def test_bundled_self_distilled_eval_is_held_out():
+  """No user prompt of the held-out conversations occurs in the training ones."""
+  import json
+
+  def first_prompts(path):
+    with open(path) as f:
+      return {json.dumps(json.loads(line)["messages"][0]) for line in f}
+
+  train = first_prompts(configs.SMOLLM2_SELF_DISTILLED)
+  held_out = first_prompts(configs.SMOLLM2_SELF_DISTILLED_EVAL)
+  assert len(train) > 900 and len(held_out) == 64
+  assert not train & held_out

@@ -27,8 +27,13 @@ SAMPLE_DATA_DIR = os.path.join(REPO_ROOT, "train", "sample_data")
 SAMPLE_DATA = (os.path.join(SAMPLE_DATA_DIR, "chat_sharegpt.jsonl"),
                os.path.join(SAMPLE_DATA_DIR, "chat_openai.jsonl"))
 TINY_TARGET = os.path.join(SAMPLE_DATA_DIR, "tiny_target")
-# SmolLM2-135M-Instruct's own answers to train.prompts (seed 0), see the preset.
+# SmolLM2-135M-Instruct's own answers to train.prompts (seed 0), see the preset:
+# 1024 conversations for training and a held-out batch of 64 for evaluation.
 SMOLLM2_SELF_DISTILLED = os.path.join(SAMPLE_DATA_DIR, "smollm2_self_distilled.jsonl")
+SMOLLM2_SELF_DISTILLED_EVAL = os.path.join(SAMPLE_DATA_DIR,
+                                           "smollm2_self_distilled_eval.jsonl")
+# The first 192 conversations: the data of the session-3 drafters (Domino, DART-GRU).
+SMOLLM2_FIRST_BATCHES = 192
 REQUIRED = "REQUIRED"  # A path the user must set (no sensible default exists).
 DRAFTER_KINDS = ("dart", "dflash", "domino", "dart_gru")
 
@@ -291,21 +296,26 @@ PRESETS: dict[str, TrainConfig] = {
         steps=200, batch_size=8, log_every=10, eval_every=100, eval_batches=2,
         checkpoint_every=50,
     ),
-    # SmolLM2-135M-Instruct (the embedded default target): the recipe of the head
-    # shipped in dart_jax/assets/smollm2_135m (a 2-core CPU budget, ~40 min). Data:
+    # SmolLM2-135M-Instruct (the embedded default target) on a 2-core CPU budget.
+    # Data (deterministic: greedy answers, seeded prompts):
     #   python -m train.prompts --num 1600 --seed 0 --out prompts.jsonl
     #   python -m train.data regenerate --data prompts.jsonl --out regen.jsonl \
-    #       --max-new-tokens 160 --batch-size 64 --max-batches 3
-    # (regen.jsonl is bundled as SMOLLM2_SELF_DISTILLED). On a TPU/GPU raise
-    # steps, batch_size, max_len and the amount of regenerated data.
+    #       --max-new-tokens 160 --batch-size 64 --max-batches 17
+    # bundled as SMOLLM2_SELF_DISTILLED (batches 1-10 and 12-17) and
+    # SMOLLM2_SELF_DISTILLED_EVAL (batch 11, held out). The target runs once per
+    # training row (cached features, ~25 min), then 600 head-only steps (~25 min).
+    # The shipped head is this run continued from earlier stages, see
+    # dart_jax/assets/smollm2_135m/README.md. On a TPU/GPU raise steps, batch_size,
+    # max_len and the amount of regenerated data.
     "smollm2_dart": TrainConfig(
         target=TargetSection(path=None),
         head=HeadSection(draft_length=5, draft_vocab_size=8192),
-        data=DataSection(train=(SMOLLM2_SELF_DISTILLED,), max_len=512, eval_fraction=0.05),
+        data=DataSection(train=(SMOLLM2_SELF_DISTILLED,), eval=(SMOLLM2_SELF_DISTILLED_EVAL,),
+                         max_len=512, eval_fraction=0.0, target_features="cached"),
         loss=LossSection(num_anchors=64),
-        optim=OptimSection(learning_rate=1e-3, warmup_steps=10, end_lr_ratio=0.1),
-        steps=100, batch_size=4, log_every=5, eval_every=50, eval_batches=2,
-        checkpoint_every=25,
+        optim=OptimSection(learning_rate=1e-3, warmup_steps=20, end_lr_ratio=0.1),
+        steps=600, batch_size=4, log_every=10, eval_every=150, eval_batches=4,
+        checkpoint_every=50,
     ),
     # Qwen3-8B on a TPU pod slice: shard the target over fsdp, bfloat16 compute.
     "qwen3_8b_dart": TrainConfig(
@@ -341,7 +351,7 @@ PRESETS.update({
         optim=OptimSection(learning_rate=2e-2, warmup_steps=10, end_lr_ratio=0.1,
                            clip_norm=1.0)),
     # A Domino drafter for SmolLM2-135M-Instruct (30 layers, hidden 576) on a
-    # 2-core CPU budget, on the same bundled self-distilled data as smollm2_dart:
+    # 2-core CPU budget, on the first 192 bundled self-distilled conversations:
     # one draft layer reading target layers 1, 14, 27 (DFlash's rule for 3 taps),
     # block of 6 = 5 draft depths (DART's D). On a TPU/GPU raise steps,
     # batch_size, max_len, num_layers and block_size with the amount of data.
@@ -350,7 +360,8 @@ PRESETS.update({
         head=HeadSection(kind="domino"),
         dflash=DFlashSection(block_size=6, num_layers=1, num_taps=3, emb_dim=128,
                              gru_hidden_dim=256),
-        data=DataSection(train=(SMOLLM2_SELF_DISTILLED,), max_len=512, eval_fraction=0.05),
+        data=DataSection(train=(SMOLLM2_SELF_DISTILLED,), max_examples=SMOLLM2_FIRST_BATCHES,
+                         max_len=512, eval_fraction=0.05),
         loss=LossSection(num_anchors=32, domino_anneal=0.5),
         optim=OptimSection(learning_rate=1e-3, warmup_steps=10, end_lr_ratio=0.1),
         steps=150, batch_size=4, log_every=5, eval_every=75, eval_batches=2,
@@ -384,12 +395,13 @@ PRESETS.update({
         optim=OptimSection(learning_rate=1e-2, warmup_steps=10, end_lr_ratio=0.1,
                            clip_norm=1.0)),
     # SmolLM2-135M-Instruct: the correction (E=128, G=256) of the head shipped in
-    # dart_jax/assets/smollm2_135m (default head.init_from), on the same bundled
-    # self-distilled data and CPU budget as smollm2_dart.
+    # dart_jax/assets/smollm2_135m (default head.init_from), on the first 192
+    # bundled self-distilled conversations.
     "smollm2_dart_gru": TrainConfig(
         target=TargetSection(path=None),
         head=HeadSection(kind="dart_gru", emb_dim=128, gru_hidden_dim=256),
-        data=DataSection(train=(SMOLLM2_SELF_DISTILLED,), max_len=512, eval_fraction=0.05),
+        data=DataSection(train=(SMOLLM2_SELF_DISTILLED,), max_examples=SMOLLM2_FIRST_BATCHES,
+                         max_len=512, eval_fraction=0.05),
         loss=LossSection(num_anchors=64),
         optim=OptimSection(learning_rate=1e-3, warmup_steps=10, end_lr_ratio=0.1),
         steps=80, batch_size=4, log_every=5, eval_every=40, eval_batches=2,
