@@ -32,7 +32,7 @@ TINY_TARGET = os.path.join(SAMPLE_DATA_DIR, "tiny_target")
 SMOLLM2_SELF_DISTILLED = os.path.join(SAMPLE_DATA_DIR, "smollm2_self_distilled.jsonl")
 SMOLLM2_SELF_DISTILLED_EVAL = os.path.join(SAMPLE_DATA_DIR,
                                            "smollm2_self_distilled_eval.jsonl")
-# The first 192 conversations: the data of the session-3 drafters (Domino, DART-GRU).
+# The first 192 conversations: the data of the documented Domino and DART-GRU runs.
 SMOLLM2_FIRST_BATCHES = 192
 REQUIRED = "REQUIRED"  # A path the user must set (no sensible default exists).
 DRAFTER_KINDS = ("dart", "dflash", "domino", "dart_gru")
