@@ -203,10 +203,14 @@ class Teacher(NamedTuple):
   argmax: jax.Array
 
 
+def draft_target_ids(d2t: jax.Array) -> jax.Array:
+  """[Vd] target id of each draft id: ``i + d2t[i]``."""
+  return jnp.arange(d2t.shape[0]) + d2t.astype(jnp.int32)
+
+
 def teacher_from_logits(logits: jax.Array, d2t: jax.Array) -> Teacher:
-  """logits: [..., V] target logits; d2t: [Vd] offsets (draft id i is target id
-  i + d2t[i])."""
-  used = jnp.arange(d2t.shape[0]) + d2t.astype(jnp.int32)
+  """logits: [..., V] target logits; d2t: [Vd] offsets."""
+  used = draft_target_ids(d2t)
   teacher_d = jnp.take(logits, used, axis=-1).astype(jnp.float32)
   return Teacher(jax.nn.log_softmax(teacher_d, axis=-1),
                  jnp.argmax(logits, axis=-1).astype(jnp.int32))
@@ -249,8 +253,7 @@ def dart_loss(draft: jax.Array, teacher: Teacher, weights: jax.Array, d2t: jax.A
   draft: [B, A, K, Vd]; teacher: at [B, A, K]; weights: [B, A, K] bool; d2t:
   [Vd] offsets. Returns (loss scalar, LevelStats sums [K]).
   """
-  vd = draft.shape[-1]
-  used = jnp.arange(vd) + d2t.astype(jnp.int32)
+  used = draft_target_ids(d2t)
   log_p = teacher.logp
   log_q = jax.nn.log_softmax(draft.astype(jnp.float32), axis=-1)
   kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)  # [B, A, K]
