@@ -111,6 +111,7 @@ import jax
 
 import dart_jax as dj
 from dart_jax.errors import InputError
+from dart_jax.models import precision
 from dart_jax.generate import encode_prompts, stop_token_ids
 from dart_jax.tree.dartree import num_tree_nodes, resolve_method
 from infer import datasets
@@ -506,7 +507,7 @@ def run_benchmark(args, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
   tree_config = (dartree_config(args, allow_auto=True)
                  if any(m in DARTREE_METHODS + DART_GRU_METHODS for m in methods) else None)
 
-  target = dj.load_target(args.model)
+  target = dj.load_target(args.model, dtype=precision.resolve_flag(args.precision))
   if target.tokenizer is None:
     raise InputError(f"the target at {target.source} has no tokenizer; the benchmark "
                      "prompts are chat text")
@@ -591,6 +592,7 @@ def run_benchmark(args, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
   config = {k: v for k, v in vars(args).items()}
   config["dartree_budget"] = dartree_budget  # parsed: an int, "auto" or None
   config["methods_run"] = list(runners)
+  config["precision"] = target.precision.name  # "auto" resolved
   return {"config": config, "environment": _environment(), "tree": tree_info,
           "dartree": dartree_info, "dart_gru": dart_gru_info, "skipped": skipped,
           "runs": runs,

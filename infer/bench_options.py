@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 import dart_jax as dj
 from dart_jax.errors import InputError
+from dart_jax.models import precision
 from dart_jax.tree.dartree import DARTreeConfig
 from infer import tree_budget as tb
 
@@ -90,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="also run every speculative method once more per prompt with "
                       "per-phase timing (search/verify/accept/draft)")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  precision.add_cli_flag(p)
   return p
 
 

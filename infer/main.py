@@ -12,6 +12,7 @@ import argparse
 import sys
 
 import dart_jax as dj
+from dart_jax.models import precision
 from infer import bench_options
 
 METHODS = ("ar", "dart") + bench_options.DARTREE_METHODS + bench_options.DART_GRU_METHODS
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="DART: draft nodes verified per round (remain_total)")
   p.add_argument("--no-chat", action="store_true", help="use the prompt as raw text")
   p.add_argument("--stats", action="store_true", help="print statistics to stderr")
+  precision.add_cli_flag(p)
   bench_options.add_dartree_args(p)
   return p
 
@@ -106,7 +108,7 @@ def main(argv=None) -> int:
     method = choose_method(args)
     tree_methods = bench_options.DARTREE_METHODS + bench_options.DART_GRU_METHODS
     tree_config = bench_options.dartree_config(args) if method in tree_methods else None
-    target = dj.load_target(args.model)
+    target = dj.load_target(args.model, dtype=precision.resolve_flag(args.precision))
     kwargs = {}
     if method == "dart":
       kwargs["draft"], kwargs["ngram"] = bench_options.load_dart_args(args, target)

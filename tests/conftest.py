@@ -22,3 +22,10 @@ def smollm2(tmp_path_factory):
     return dj.load_target()
   finally:
     mp.undo()
+
+
+@pytest.fixture(scope="session")
+def smollm2_float32(smollm2):
+  """The embedded target in the exact float32 mode (parity with transformers),
+  from the directory the ``smollm2`` fixture converted."""
+  return dj.load_target(smollm2.source, dtype="float32")

@@ -18,7 +18,7 @@ from dart_jax.sampling import SamplingConfig
 from dart_jax.speculative import root_tokens
 from dart_jax.tree.dartree import CorrectionHead, DARTreeConfig, dartree_build
 from tests.test_dartree_decode import check_first_tokens_distribution, peaked_tiny_target
-from tests.test_speculative import TARGETS
+from tests.test_speculative import PRECISIONS, TARGETS
 from tests.train_helpers import metric_records
 from train import configs, loop
 from train import dart_gru_losses
@@ -28,9 +28,9 @@ TREE = DARTreeConfig(topk=4, supertree_width=3, budget=8)
 D = 3  # mask slots: D+1 = 4 levels
 
 
-@pytest.fixture(scope="module")
-def tiny():
-  target = Target.init(TARGETS["llama"], seed=2)
+@pytest.fixture(scope="module", params=PRECISIONS)
+def tiny(request):
+  target = Target.init(TARGETS["llama"], seed=2, dtype=request.param)
   head = dj.DartHead.init(target, draft_length=D, draft_vocab_size=60, seed=4)
   # A sparse draft vocabulary (not the first 60 ids), so d2t matters.
   head = head.with_draft_vocab(np.random.default_rng(1).choice(97, 60, replace=False))
@@ -242,10 +242,11 @@ def test_tiny_training_lowers_the_loss_and_exports_a_loadable_drafter(tmp_path):
   assert set(state["params"]) == {"prefix_gru", "embed_proj_in", "embed_proj_out"}
 
 
-def test_sampling_matches_target_distribution():
+@pytest.mark.parametrize("mode", PRECISIONS)
+def test_sampling_matches_target_distribution(mode):
   """DART-GRU (pruned tree) samples the target's distribution (the statistics of
   the DARTree sampling test)."""
-  target = peaked_tiny_target()
+  target = peaked_tiny_target(mode)
   head = dj.DartHead.init(target, draft_length=2, seed=3)
   drafter = dj.DartGruDrafter.from_head(head, emb_dim=8, gru_hidden_dim=8, seed=1)
   check_first_tokens_distribution(

@@ -19,7 +19,8 @@ TINY = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_siz
 
 @pytest.fixture(scope="module")
 def target():
-  return Target.init(TINY, seed=0)
+  # Float32: these tests check exact round trips and a numpy forward pass.
+  return Target.init(TINY, seed=0, dtype=jnp.float32)
 
 
 def _reference_dir(tmp_path, rng, hidden=32, vocab=64, draft_vocab=40, d=3, heads=4,

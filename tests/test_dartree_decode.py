@@ -25,7 +25,7 @@ from dart_jax.ngram import NGram
 from dart_jax.sampling import SamplingConfig, processed_log_probs
 from dart_jax.tree import DARTreeConfig
 from tests.test_dflash import shape_only_target
-from tests.test_speculative import SMOLLM2_PROMPTS, TARGETS, _chi_square_p
+from tests.test_speculative import PRECISIONS, SMOLLM2_PROMPTS, TARGETS, _chi_square_p
 
 TARGETS_2L = {arch: dataclasses.replace(config, num_layers=2)
               for arch, config in TARGETS.items()}
@@ -39,9 +39,12 @@ def _prompts(rng, n, vocab):
   return [rng.integers(0, vocab, rng.integers(1, 12)).tolist() for _ in range(n)]
 
 
-@pytest.fixture(scope="module", params=sorted(TARGETS_2L))
+@pytest.fixture(scope="module",
+                params=[(arch, mode) for arch in sorted(TARGETS_2L) for mode in PRECISIONS],
+                ids=lambda p: "-".join(p))
 def tiny(request):
-  target = Target.init(TARGETS_2L[request.param], seed=2)
+  arch, mode = request.param
+  target = Target.init(TARGETS_2L[arch], seed=2, dtype=mode)
   domino = dj.DFlashDrafter.init(target, block_size=BLOCK, num_layers=1, domino=True,
                                  seed=4)
   dflash = dj.DFlashDrafter.init(target, block_size=BLOCK, num_layers=1, seed=5)
@@ -167,13 +170,13 @@ def exact_first_tokens(target, prompt, sampling, n=3):
 SAMPLING_VOCAB, SAMPLING_TEMPERATURE, SAMPLING_TOP_P = 6, 0.8, 0.9
 
 
-def peaked_tiny_target() -> Target:
+def peaked_tiny_target(mode: str) -> Target:
   """A 6-token target with peaked distributions (weights x3), so that even a
-  random drafter's trees are often accepted."""
+  random drafter's trees are often accepted; ``mode`` its precision."""
   config = ModelConfig(arch="llama", vocab_size=SAMPLING_VOCAB, hidden_size=16,
                        intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
                        head_dim=8)
-  target = Target.init(config, seed=7)
+  target = Target.init(config, seed=7, dtype=mode)
   return target.with_params(jax.tree.map(lambda x: x * 3.0 if x.ndim == 2 else x,
                                          target.params))
 
@@ -208,12 +211,13 @@ def check_first_tokens_distribution(target, name: str, min_accept: float = 1.3,
   assert max(tvs) < 0.02, tvs
 
 
+@pytest.mark.parametrize("mode", PRECISIONS)
 @pytest.mark.parametrize("method", ["dartree", "dartree-fixed", "ddtree", "domino-chain",
                                     "dflash-chain"])
-def test_sampling_matches_target_distribution(method):
+def test_sampling_matches_target_distribution(method, mode):
   """Every DARTree-family method samples the target's distribution (they share
   the accept step but build different trees, and the chains use other drafts)."""
-  target = peaked_tiny_target()
+  target = peaked_tiny_target(mode)
   # Block 4 (3 depths) and budget 5 < the 9-node fixed tree; a correction scaled
   # up so that it changes the corrected methods' trees (a random one barely does).
   drafter = dj.DFlashDrafter.init(target, block_size=4, domino=method != "dflash-chain",
@@ -259,9 +263,12 @@ def test_bad_arguments_give_clear_errors(tiny):
   assert domino.make_decoder(target, sampling=greedy, tree="chain").num_nodes == BLOCK - 1
 
 
-def test_smollm2_random_domino_greedy_equals_ar(smollm2):
+@pytest.mark.parametrize("target_fixture", ["smollm2", "smollm2_float32"])
+def test_smollm2_random_domino_greedy_equals_ar(request, target_fixture):
   """The embedded SmolLM2 with a random Domino drafter, 4 chat prompts (the
-  first batch of test_speculative's SmolLM2 test, so AR compiles are shared)."""
+  first batch of test_speculative's SmolLM2 test, so AR compiles are shared),
+  in both modes."""
+  smollm2 = request.getfixturevalue(target_fixture)
   drafter = dj.DFlashDrafter.init(smollm2, block_size=4, num_layers=1, domino=True,
                                   seed=0)
   batch = SMOLLM2_PROMPTS[:4]

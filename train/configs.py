@@ -21,6 +21,7 @@ import typing
 from typing import Any, Mapping, Sequence
 
 from dart_jax.errors import ConfigError
+from dart_jax.models import precision
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE_DATA_DIR = os.path.join(REPO_ROOT, "train", "sample_data")
@@ -43,7 +44,10 @@ class TargetSection:
   """The frozen target model.
 
   path: HF directory, ``.gguf`` file, or None for the embedded SmolLM2-135M.
-  dtype: "auto" (float32 on CPU, bfloat16 on TPU/GPU), "float32" or "bfloat16".
+  dtype: the target's numeric mode (``dart_jax.models.precision``): "auto" (the
+    fast mode on CPU, bfloat16 on TPU/GPU), "fast", "fast-rows" (bf16-rounded
+    rows: fastest for features, numerics need not match decoding), "float32" or
+    "bfloat16".
   """
 
   path: str | None = None
@@ -228,6 +232,9 @@ class TrainConfig:
       if getattr(self, name) not in ("auto", "float32", "bfloat16"):
         raise ConfigError(f"{name} must be auto, float32 or bfloat16, got "
                           f"{getattr(self, name)!r}")
+    if self.target.dtype != "auto" and self.target.dtype not in precision.NAMES:
+      raise ConfigError(f"target.dtype must be auto or one of {', '.join(precision.NAMES)}, "
+                        f"got {self.target.dtype!r}")
     if self.distributed not in ("auto", "on", "off"):
       raise ConfigError(f"distributed must be auto, on or off, got {self.distributed!r}")
     if self.head.kind not in DRAFTER_KINDS:

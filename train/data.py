@@ -32,6 +32,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 
 from dart_jax.errors import CheckpointError, InputError
+from dart_jax.models import precision
 
 log = logging.getLogger(__name__)
 
@@ -638,10 +639,12 @@ def _build_parser() -> argparse.ArgumentParser:
   r.add_argument("--seed", type=int, default=0)
   r.add_argument("--max-prompt-tokens", type=int, default=2048)
   r.add_argument("--max-batches", type=int, default=0, help="stop after N batches (0 = all)")
+  precision.add_cli_flag(r)
   s = sub.add_parser("stats", help="tokenize and print data statistics")
   s.add_argument("--model", default=None)
   s.add_argument("--data", required=True, nargs="+")
   s.add_argument("--max-len", type=int, default=1024)
+  precision.add_cli_flag(s)
   return p
 
 
@@ -651,7 +654,7 @@ def main(argv=None) -> int:
   args = _build_parser().parse_args(argv)
   logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
   try:
-    target = dj.load_target(args.model)
+    target = dj.load_target(args.model, dtype=precision.resolve_flag(args.precision))
     if args.command == "regenerate":
       result = regenerate(target, args.data, args.out, max_new_tokens=args.max_new_tokens,
                           batch_size=args.batch_size, temperature=args.temperature,

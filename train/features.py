@@ -71,7 +71,7 @@ def features_key(target, rows: Rows, tap_layers, d2t: np.ndarray, dtype: str) ->
   digest.update(np.ascontiguousarray(np.asarray(d2t, np.int64)).tobytes())
   digest.update(json.dumps({
       "target": target.source, "config": repr(target.config),
-      "target_dtype": str(np.dtype(target.dtype)), "taps": list(tap_layers),
+      "target_precision": target.precision.name, "taps": list(tap_layers),
       "dtype": dtype, "version": _VERSION}, sort_keys=True).encode())
   return digest.hexdigest()[:16]
 

@@ -116,7 +116,7 @@ def split_head(head: DartHead, param_dtype) -> tuple[dict, dict]:
 def merge_head(config: DartConfig, params: dict, buffers: dict, dtype=None) -> DartHeadModule:
   """Nested dicts -> a ``DartHeadModule`` (works on tracers inside jit)."""
   dtype = dtype or jax.tree.leaves(params)[0].dtype
-  abstract = nnx.eval_shape(lambda: DartHeadModule(config, rngs=nnx.Rngs(0), param_dtype=dtype))
+  abstract = nnx.eval_shape(lambda: DartHeadModule(config, rngs=nnx.Rngs(0), precision=dtype))
   graphdef, abs_params, abs_buffers = nnx.split(abstract, nnx.Param, Buffer)
   nnx.replace_by_pure_dict(abs_params, params)
   nnx.replace_by_pure_dict(abs_buffers, buffers)
@@ -133,7 +133,7 @@ def split_drafter(drafter: DFlashDrafter, param_dtype) -> tuple[dict, dict]:
 def merge_drafter(config: DFlashConfig, params: dict, dtype=None) -> DFlashModule:
   """Nested dicts -> a ``DFlashModule`` (works on tracers inside jit)."""
   dtype = dtype or jax.tree.leaves(params)[0].dtype
-  abstract = nnx.eval_shape(lambda: DFlashModule(config, rngs=nnx.Rngs(0), param_dtype=dtype))
+  abstract = nnx.eval_shape(lambda: DFlashModule(config, rngs=nnx.Rngs(0), precision=dtype))
   graphdef, abs_params = nnx.split(abstract)
   nnx.replace_by_pure_dict(abs_params, params)
   return nnx.merge(graphdef, abs_params)
@@ -152,7 +152,7 @@ def merge_correction(config: DartGruConfig, params: dict, dtype=None) -> Correct
   """Nested dicts -> a ``CorrectionModule`` (works on tracers inside jit)."""
   dtype = dtype or jax.tree.leaves(params)[0].dtype
   abstract = nnx.eval_shape(lambda: CorrectionModule(config, rngs=nnx.Rngs(0),
-                                                     param_dtype=dtype))
+                                                     precision=dtype))
   graphdef, abs_params = nnx.split(abstract)
   nnx.replace_by_pure_dict(abs_params, params)
   return nnx.merge(graphdef, abs_params)
@@ -195,7 +195,7 @@ def _forward(settings: StepSettings, target_graphdef, target_params, params, buf
   """Loss and per-level (per-slot) stats of one batch (drafter params differentiable)."""
   c = settings.head_config
   target_model = nnx.merge(target_graphdef, target_params)
-  compute = (jax.tree.leaves(target_params)[0].dtype if settings.compute_dtype == "auto"
+  compute = (target_model.precision.dtype if settings.compute_dtype == "auto"
              else _DTYPES[settings.compute_dtype])
   to_compute = lambda tree: jax.tree.map(lambda p: p.astype(compute), tree)
   if settings.kind == "dart_gru":
@@ -370,8 +370,8 @@ def _load_target(config: TrainConfig):
   path = config.target.path
   if path == REQUIRED:
     raise ConfigError("this preset needs the target model: set target.path=/path/to/hf_dir")
-  dtype = None if config.target.dtype == "auto" else _DTYPES[config.target.dtype]
-  return dj.load_target(path, dtype=dtype)
+  return dj.load_target(path, dtype=None if config.target.dtype == "auto"
+                        else config.target.dtype)
 
 
 def _make_drafter(config: TrainConfig, target) -> DFlashDrafter:
@@ -389,7 +389,7 @@ def _make_drafter(config: TrainConfig, target) -> DFlashDrafter:
       with_head = dataclasses.replace(drafter.config, projector_type=PROJECTOR_DOMINO,
                                       emb_dim=dc.emb_dim, gru_hidden_dim=dc.gru_hidden_dim)
       graphdef, params = nnx.split(DFlashModule(with_head, rngs=nnx.Rngs(config.seed),
-                                                param_dtype=target.dtype))
+                                                precision=target.precision.for_drafter()))
       pure = nnx.to_pure_dict(params)
       pure.update(nnx.to_pure_dict(drafter.params))  # the backbone's entries
       nnx.replace_by_pure_dict(params, pure)

@@ -48,6 +48,8 @@ from dart_jax.draft.dart_head import DartConfig, DartHead, DartHeadModule, load_
 from dart_jax.draft.dflash import GRU, correction_head_of, released_name
 from dart_jax.errors import CheckpointError, ConfigError
 from dart_jax.models import checkpoint, layers
+from dart_jax.models import precision as precision_lib
+from dart_jax.models.precision import Precision
 from dart_jax.tree.dartree import (CORRECTED_METHODS, CorrectionHead, DARTreeConfig,
                                    dartree_build, num_tree_nodes)
 
@@ -146,14 +148,17 @@ class DartGruConfig:
 class CorrectionModule(nnx.Module):
   """The correction's parameters (names as in the Domino release)."""
 
-  def __init__(self, c: DartGruConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+  def __init__(self, c: DartGruConfig, *, rngs: nnx.Rngs,
+               precision: Precision | Any = jnp.float32):
     self.config = c
     h = c.hidden_size  # the DART hidden and the target embedding have the same size
-    self.prefix_gru = GRU(h, c.gru_hidden_dim, rngs=rngs, param_dtype=param_dtype)
+    # Small matrices read by float32 tree-building math: compute dtype throughout.
+    precision = precision_lib.resolve(precision).uniform()
+    self.prefix_gru = GRU(h, c.gru_hidden_dim, rngs=rngs, precision=precision)
     self.embed_proj_in = layers.linear(h + c.gru_hidden_dim, c.emb_dim, rngs=rngs,
-                                       param_dtype=param_dtype)
+                                       precision=precision)
     self.embed_proj_out = layers.linear(c.emb_dim, c.draft_vocab_size, rngs=rngs,
-                                        param_dtype=param_dtype)
+                                        precision=precision)
 
   def correction_head(self, embed_table: jax.Array, hidden: jax.Array) -> CorrectionHead:
     """embed_table: [V, H] the target's; hidden: [..., D+1, H] the levels' hidden."""
@@ -231,12 +236,12 @@ class DartGruDrafter:
 
   @classmethod
   def from_head(cls, head: DartHead, *, emb_dim: int = 32, gru_hidden_dim: int = 32,
-                seed: int = 0, param_dtype=None) -> "DartGruDrafter":
+                seed: int = 0, precision=None) -> "DartGruDrafter":
     """A fresh (randomly initialised) correction on top of ``head``."""
     config = DartGruConfig(head.config, emb_dim, gru_hidden_dim)
     dart = head.module()
-    dtype = param_dtype or dart.lm_head.kernel.dtype
-    correction = CorrectionModule(config, rngs=nnx.Rngs(seed), param_dtype=dtype)
+    correction = CorrectionModule(config, rngs=nnx.Rngs(seed),
+                                  precision=precision or dart.precision)
     return cls.from_modules(config, dart, correction)
 
   @classmethod
@@ -308,7 +313,6 @@ def load_dart_gru(path: str | os.PathLike, target=None, *, dtype=None) -> DartGr
   head next to it or the head does not fit the target.
   """
   from dart_jax.io.safetensors_io import _read_safetensors_file, read_json
-  from dart_jax.models.target import default_dtype
 
   directory = pathlib.Path(path).expanduser()
   head = load_dart(directory, target, dtype=dtype)
@@ -323,8 +327,8 @@ def load_dart_gru(path: str | os.PathLike, target=None, *, dtype=None) -> DartGr
   config = DartGruConfig.from_json(read_json(config_path, "DART-GRU correction config"),
                                    head.config, str(config_path))
   tensors = _read_safetensors_file(weights_path, np.float32)
-  dtype = dtype or (target.dtype if target is not None else default_dtype())
   graphdef, params = checkpoint.state_from_tensors(
-      lambda: CorrectionModule(config, rngs=nnx.Rngs(0), param_dtype=dtype), tensors,
+      lambda: CorrectionModule(config, rngs=nnx.Rngs(0),
+                               precision=precision_lib.of_drafter(dtype, target)), tensors,
       released_name, source=str(weights_path), what="DART-GRU correction")
   return DartGruDrafter.from_modules(config, head.module(), nnx.merge(graphdef, params))

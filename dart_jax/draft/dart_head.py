@@ -17,7 +17,9 @@ from flax import nnx
 
 from dart_jax.errors import ConfigError
 from dart_jax.models import checkpoint, layers
+from dart_jax.models import precision as precision_lib
 from dart_jax.models.config import RopeScaling, rope_from_hf, rope_inv_freq
+from dart_jax.models.precision import Precision
 from dart_jax.models.transformer import Attention, KVCache
 
 
@@ -119,30 +121,32 @@ class DartConfig:
 class DartLayer(nnx.Module):
   """The head's single decoder layer (``midlayer``)."""
 
-  def __init__(self, c: DartConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+  def __init__(self, c: DartConfig, *, rngs: nnx.Rngs, precision: Precision | Any = jnp.float32):
     h = c.hidden_size
-    self.mask_rep = nnx.Param(jax.random.normal(rngs.params(), (2 * h,), param_dtype))
-    self.hidden_norm = layers.RMSNorm(h, c.rms_norm_eps, param_dtype=param_dtype)
-    self.input_layernorm = layers.RMSNorm(h, c.rms_norm_eps, param_dtype=param_dtype)
+    self.mask_rep = nnx.Param(jax.random.normal(rngs.params(), (2 * h,),
+                                                precision_lib.resolve(precision).dtype))
+    self.hidden_norm = layers.RMSNorm(h, c.rms_norm_eps, precision=precision)
+    self.input_layernorm = layers.RMSNorm(h, c.rms_norm_eps, precision=precision)
     self.post_attention_layernorm = layers.RMSNorm(h, c.rms_norm_eps,
-                                                   param_dtype=param_dtype)
+                                                   precision=precision)
     self.self_attn = Attention(in_features=2 * h, out_features=h, num_heads=c.num_heads,
                                num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                               rngs=rngs, param_dtype=param_dtype)
-    self.mlp = layers.SwiGLU(h, c.intermediate_size, rngs=rngs, param_dtype=param_dtype)
+                               rngs=rngs, precision=precision)
+    self.mlp = layers.SwiGLU(h, c.intermediate_size, rngs=rngs, precision=precision)
 
 
 class DartHeadModule(nnx.Module):
   """NNX parameters of a DART head and its forward pass."""
 
-  def __init__(self, c: DartConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+  def __init__(self, c: DartConfig, *, rngs: nnx.Rngs, precision: Precision | Any = jnp.float32):
     self.config = c
+    self.precision = precision_lib.resolve(precision)
     self.fc = layers.linear(3 * c.target_hidden_size, c.hidden_size, rngs=rngs,
-                            param_dtype=param_dtype)
-    self.midlayer = DartLayer(c, rngs=rngs, param_dtype=param_dtype)
-    self.norm = layers.RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=param_dtype)
+                            precision=precision)
+    self.midlayer = DartLayer(c, rngs=rngs, precision=precision)
+    self.norm = layers.RMSNorm(c.hidden_size, c.rms_norm_eps, precision=precision)
     self.lm_head = layers.linear(c.hidden_size, c.draft_vocab_size, rngs=rngs,
-                                 param_dtype=param_dtype)
+                                 precision=precision)
     self.d2t = Buffer(jnp.zeros((c.draft_vocab_size,), jnp.int32))
     self.t2d = Buffer(jnp.ones((c.vocab_size,), bool))
     self.inv_freq = tuple(float(f) for f in rope_inv_freq(c.head_dim, c.rope_theta,
@@ -154,7 +158,7 @@ class DartHeadModule(nnx.Module):
     taps: [..., 3*Ht] target taps at positions p; next_embeds: [..., H] embeddings
     of the tokens at p+1. Returns (attn_in [..., 2H], residual [..., H]).
     """
-    g = self.fc(taps.astype(self.fc.kernel.dtype))
+    g = self.fc(taps)
     layer = self.midlayer
     attn_in = jnp.concatenate([layer.input_layernorm(next_embeds.astype(g.dtype)),
                                layer.hidden_norm(g)], axis=-1)
@@ -267,7 +271,8 @@ class DartHead:
         target_hidden_size=tc.hidden_size, draft_length=draft_length,
         tap_layers=tc.dart_tap_layers, rms_norm_eps=tc.rms_norm_eps,
         rope_theta=tc.rope_theta, rope_scaling=tc.rope_scaling, double_norm=double_norm)
-    module = DartHeadModule(config, rngs=nnx.Rngs(seed), param_dtype=target.dtype)
+    module = DartHeadModule(config, rngs=nnx.Rngs(seed),
+                            precision=target.precision.for_drafter())
     graphdef, params = nnx.split(module)
     head = cls(config, graphdef, params)
     if config.draft_vocab_size < config.vocab_size:
@@ -350,12 +355,13 @@ def load_dart(path: str | os.PathLike | None = None, target=None, *, dtype=None
     target: the ``Target`` the head will draft for; it supplies the default tap
       layers and is checked against the head. None skips the check (the config
       must then name its tap layers, as heads saved by dart-jax do).
-    dtype: parameter dtype; default the target's (float32 without a target on CPU).
+    dtype: the head's ``Precision`` (or its name / a dtype); default its target's
+      drafter mode (``Precision.for_drafter``: bf16 rows when the target runs in
+      the fast mode), ``precision.default().for_drafter()`` without a target.
   Raises CheckpointError for missing/corrupt files and ConfigError when the head
   does not fit the target (vocabulary, hidden size, layer count).
   """
   from dart_jax.io import embedded_dart_dir, embedded_tree_config, read_safetensors_dir
-  from dart_jax.models.target import default_dtype
 
   shipped = path is None
   path = embedded_dart_dir() if shipped else path
@@ -364,9 +370,9 @@ def load_dart(path: str | os.PathLike | None = None, target=None, *, dtype=None
     raise ConfigError(f"{os.fspath(path)}: the config does not name its tap layers; "
                       "pass the target: load_dart(path, target)")
   config = DartConfig.from_hf(hf, target.config if target is not None else None)
-  dtype = dtype or (target.dtype if target is not None else default_dtype())
+  precision = precision_lib.of_drafter(dtype, target)
   graphdef, params = checkpoint.state_from_tensors(
-      lambda: DartHeadModule(config, rngs=nnx.Rngs(0), param_dtype=dtype), tensors,
+      lambda: DartHeadModule(config, rngs=nnx.Rngs(0), precision=precision), tensors,
       _ref_name, source=os.fspath(path), what="DART head")
   head = DartHead(config, graphdef, params)
   if target is not None:

@@ -42,7 +42,9 @@ from flax import nnx
 
 from dart_jax.errors import ConfigError
 from dart_jax.models import checkpoint, layers
+from dart_jax.models import precision as precision_lib
 from dart_jax.models.config import RopeScaling, rope_from_hf, rope_inv_freq
+from dart_jax.models.precision import Precision
 from dart_jax.models.transformer import Attention, KVCache
 from dart_jax.tree.dartree import CorrectionHead
 
@@ -254,17 +256,18 @@ class DFlashConfig:
 class DFlashLayer(nnx.Module):
   """One Qwen3-style drafter layer; queries from the block, K/V also from context."""
 
-  def __init__(self, c: DFlashConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+  def __init__(self, c: DFlashConfig, *, rngs: nnx.Rngs,
+               precision: Precision | Any = jnp.float32):
     self.input_layernorm = layers.RMSNorm(c.hidden_size, c.rms_norm_eps,
-                                          param_dtype=param_dtype)
+                                          precision=precision)
     self.self_attn = Attention(
         in_features=c.hidden_size, out_features=c.hidden_size, num_heads=c.num_heads,
         num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, qk_norm=True,
-        eps=c.rms_norm_eps, rngs=rngs, param_dtype=param_dtype)
+        eps=c.rms_norm_eps, rngs=rngs, precision=precision)
     self.post_attention_layernorm = layers.RMSNorm(c.hidden_size, c.rms_norm_eps,
-                                                   param_dtype=param_dtype)
+                                                   precision=precision)
     self.mlp = layers.SwiGLU(c.hidden_size, c.intermediate_size, rngs=rngs,
-                             param_dtype=param_dtype)
+                             precision=precision)
 
   def context_kv(self, ctx: jax.Array, cos: jax.Array, sin: jax.Array
                  ) -> tuple[jax.Array, jax.Array]:
@@ -295,39 +298,45 @@ class GRU(nnx.Module):
   """
 
   def __init__(self, in_features: int, hidden: int, *, rngs: nnx.Rngs,
-               param_dtype=jnp.float32):
+               precision: Precision | Any = jnp.float32):
+    dtype = precision_lib.resolve(precision).dtype
     init = nnx.initializers.uniform(2.0 / math.sqrt(hidden))
     shift = 1.0 / math.sqrt(hidden)  # torch's U(-1/sqrt(G), 1/sqrt(G))
     self.input_kernel = nnx.Param(
-        (init(rngs.params(), (in_features, 3 * hidden)) - shift).astype(param_dtype))
+        (init(rngs.params(), (in_features, 3 * hidden)) - shift).astype(dtype))
     self.hidden_kernel = nnx.Param(
-        (init(rngs.params(), (hidden, 3 * hidden)) - shift).astype(param_dtype))
+        (init(rngs.params(), (hidden, 3 * hidden)) - shift).astype(dtype))
 
 
 class DFlashModule(nnx.Module):
   """NNX parameters of a DFlash drafter (+ Domino head) and its forward passes."""
 
-  def __init__(self, c: DFlashConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+  def __init__(self, c: DFlashConfig, *, rngs: nnx.Rngs,
+               precision: Precision | Any = jnp.float32):
     self.config = c
+    self.precision = precision_lib.resolve(precision)
+    # Domino's GRU and projections are small and feed float32 tree-building
+    # math: they keep the compute dtype (no per-call weight casts).
+    small = self.precision.uniform()
     h = c.hidden_size
     self.fc = layers.linear(len(c.target_layer_ids) * h, h, rngs=rngs,
-                            param_dtype=param_dtype)
-    self.hidden_norm = layers.RMSNorm(h, c.rms_norm_eps, param_dtype=param_dtype)
-    self.layers = nnx.List([DFlashLayer(c, rngs=rngs, param_dtype=param_dtype)
+                            precision=precision)
+    self.hidden_norm = layers.RMSNorm(h, c.rms_norm_eps, precision=precision)
+    self.layers = nnx.List([DFlashLayer(c, rngs=rngs, precision=precision)
                             for _ in range(c.num_layers)])
-    self.norm = layers.RMSNorm(h, c.rms_norm_eps, param_dtype=param_dtype)
+    self.norm = layers.RMSNorm(h, c.rms_norm_eps, precision=precision)
     if c.domino:
-      self.prefix_gru = GRU(h, c.gru_hidden_dim, rngs=rngs, param_dtype=param_dtype)
+      self.prefix_gru = GRU(h, c.gru_hidden_dim, rngs=rngs, precision=small)
       self.embed_proj_in = layers.linear(h + c.gru_hidden_dim, c.emb_dim, rngs=rngs,
-                                         param_dtype=param_dtype)
+                                         precision=small)
       self.embed_proj_out = layers.linear(c.emb_dim, c.vocab_size, rngs=rngs,
-                                          param_dtype=param_dtype)
+                                          precision=small)
     self.inv_freq = tuple(float(f) for f in rope_inv_freq(c.head_dim, c.rope_theta,
                                                           c.rope_scaling))
 
   def context(self, taps: jax.Array) -> jax.Array:
     """taps [..., n*Ht] (target layer outputs) -> context feature [..., H]."""
-    return self.hidden_norm(self.fc(taps.astype(self.fc.kernel.dtype)))
+    return self.hidden_norm(self.fc(taps))
 
   def write_context(self, taps: jax.Array, cache: KVCache) -> KVCache:
     """Writes context K/V of C new positions at ``cache.lengths`` (not advanced).
@@ -359,7 +368,7 @@ class DFlashModule(nnx.Module):
     cos, sin = layers.rope_cos_sin(positions, self.inv_freq)
     mask = jnp.ones((batch, t, t), bool)
     attend_len = cache.capacity if attend_len is None else min(attend_len, cache.capacity)
-    x = embeds.astype(self.fc.kernel.dtype)
+    x = embeds.astype(self.precision.dtype)
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
       x, k, v = layer(x, cos, sin, cache.k[i], cache.v[i], cache.lengths, mask,
@@ -382,7 +391,7 @@ class DFlashModule(nnx.Module):
     ctx_positions = jnp.broadcast_to(jnp.arange(ctx.shape[1]), ctx.shape[:2])
     cos_c, sin_c = layers.rope_cos_sin(ctx_positions, self.inv_freq)
     cos_b, sin_b = layers.rope_cos_sin(block_positions, self.inv_freq)
-    x = embeds.astype(self.fc.kernel.dtype)
+    x = embeds.astype(self.precision.dtype)
     b, t, _ = x.shape
     for layer in self.layers:
       attn = layer.self_attn
@@ -466,17 +475,14 @@ def dflash_block_mask(anchors: jax.Array, num_context: int, block_size: int) -> 
   return jnp.concatenate([sees_ctx, sees_block], axis=-1)
 
 
-def target_lm_head(target_model, hidden: jax.Array) -> jax.Array:
+def target_lm_head(target_model, hidden: jax.Array,
+                   precision: Precision | None = None) -> jax.Array:
   """The target's LM head WITHOUT its final norm (DFlash normalises itself).
 
-  hidden [..., H] -> [..., V] float32.
+  hidden [..., H] -> [..., V] float32; precision: the drafter's mode (default
+  the target's).
   """
-  if target_model.config.tie_embeddings:
-    w = target_model.embed_tokens.embedding[...]
-    return jnp.einsum("...h,vh->...v", hidden.astype(w.dtype), w,
-                      preferred_element_type=jnp.float32)
-  return target_model.lm_head(hidden.astype(target_model.lm_head.kernel.dtype)
-                              ).astype(jnp.float32)
+  return target_model.lm_head_logits(hidden, precision)
 
 
 def draft_block(target_model, drafter: DFlashModule, root: jax.Array, cache: KVCache, *,
@@ -494,7 +500,7 @@ def draft_block(target_model, drafter: DFlashModule, root: jax.Array, cache: KVC
   hidden, cache = drafter.block(target_model.embed(block_ids), cache,
                                 attend_len=attend_len, attn_impl=attn_impl)
   hidden = hidden[:, 1:]
-  return target_lm_head(target_model, hidden), hidden, cache
+  return target_lm_head(target_model, hidden, drafter.precision), hidden, cache
 
 
 # Released tensor name for each NNX state path of ``DFlashModule``.
@@ -555,7 +561,8 @@ class DFlashDrafter:
         max_position_embeddings=tc.max_position_embeddings,
         projector_type=PROJECTOR_DOMINO if domino else None,
         emb_dim=emb_dim if domino else 0, gru_hidden_dim=gru_hidden_dim if domino else 0)
-    module = DFlashModule(config, rngs=nnx.Rngs(seed), param_dtype=target.dtype)
+    module = DFlashModule(config, rngs=nnx.Rngs(seed),
+                          precision=target.precision.for_drafter())
     graphdef, params = nnx.split(module)
     return cls(config, graphdef, params)
 
@@ -618,7 +625,7 @@ def load_dflash(path: str | os.PathLike, target, *, dtype=None) -> DFlashDrafter
   path = os.fspath(path)
   hf, tensors = read_safetensors_dir(path)
   config = DFlashConfig.from_hf(hf, target.config, source=path)
-  drafter = _from_tensors(config, tensors, dtype or target.dtype, path)
+  drafter = _from_tensors(config, tensors, precision_lib.of_drafter(dtype, target), path)
   drafter.check_target(target)
   return drafter
 
@@ -633,8 +640,9 @@ def load_domino(path: str | os.PathLike, target, *, dtype=None) -> DFlashDrafter
   return drafter
 
 
-def _from_tensors(config: DFlashConfig, tensors: dict, dtype, source: str) -> DFlashDrafter:
+def _from_tensors(config: DFlashConfig, tensors: dict, precision, source: str
+                  ) -> DFlashDrafter:
   graphdef, params = checkpoint.state_from_tensors(
-      lambda: DFlashModule(config, rngs=nnx.Rngs(0), param_dtype=dtype), tensors,
+      lambda: DFlashModule(config, rngs=nnx.Rngs(0), precision=precision), tensors,
       released_name, source=os.fspath(source), what="DFlash / Domino drafter")
   return DFlashDrafter(config, graphdef, params)

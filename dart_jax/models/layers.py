@@ -1,16 +1,21 @@
 """Building blocks shared by the target models and the draft heads."""
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dart_jax.models import precision as precision_lib
+from dart_jax.models.precision import Precision
+
 
 class RMSNorm(nnx.Module):
   """RMSNorm computed in float32 (as HF does), scale applied in the input dtype."""
 
-  def __init__(self, dim: int, eps: float, *, param_dtype=jnp.float32):
-    self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+  def __init__(self, dim: int, eps: float, *, precision: Precision | Any = jnp.float32):
+    self.scale = nnx.Param(jnp.ones((dim,), precision_lib.resolve(precision).dtype))
     self.eps = eps
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -19,23 +24,52 @@ class RMSNorm(nnx.Module):
     return self.scale[...].astype(x.dtype) * normed.astype(x.dtype)
 
 
+def normal_init(stddev: float):
+  """normal(stddev) drawn in float32 whatever the storage dtype, so a model's
+  random init in any precision is the rounded float32 one (same seed)."""
+  draw = nnx.initializers.normal(stddev)
+  return lambda key, shape, dtype=jnp.float32: draw(key, shape, jnp.float32).astype(dtype)
+
+
+class Dense(nnx.Module):
+  """``x @ kernel (+ bias)`` through ``precision.matmul``; kernel [in, out].
+
+  The kernel is stored in ``precision.weight_dtype`` (bf16 in the fast mode), the
+  bias and the output in ``precision.dtype``.
+  """
+
+  def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs,
+               precision: Precision | Any = jnp.float32, use_bias: bool = False,
+               stddev: float = 0.02):
+    self.precision = precision_lib.resolve(precision)
+    self.kernel = nnx.Param(normal_init(stddev)(
+        rngs.params(), (in_features, out_features), self.precision.weight_dtype))
+    if use_bias:
+      self.bias = nnx.Param(jnp.zeros((out_features,), self.precision.dtype))
+    self.use_bias = use_bias
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """x: [..., in] -> [..., out]."""
+    out = precision_lib.matmul(x, self.kernel[...], self.precision)
+    return out + self.bias[...] if self.use_bias else out
+
+
 def linear(in_features: int, out_features: int, *, rngs: nnx.Rngs,
-           param_dtype=jnp.float32, use_bias: bool = False,
-           stddev: float = 0.02) -> nnx.Linear:
+           precision: Precision | Any = jnp.float32, use_bias: bool = False,
+           stddev: float = 0.02) -> Dense:
   """A dense layer with a [in, out] kernel and normal(stddev) init."""
-  return nnx.Linear(
-      in_features, out_features, use_bias=use_bias, param_dtype=param_dtype,
-      kernel_init=nnx.initializers.normal(stddev), rngs=rngs)
+  return Dense(in_features, out_features, rngs=rngs, precision=precision,
+               use_bias=use_bias, stddev=stddev)
 
 
 class SwiGLU(nnx.Module):
   """``down(silu(gate(x)) * up(x))``."""
 
   def __init__(self, hidden: int, intermediate: int, *, rngs: nnx.Rngs,
-               param_dtype=jnp.float32):
-    self.gate_proj = linear(hidden, intermediate, rngs=rngs, param_dtype=param_dtype)
-    self.up_proj = linear(hidden, intermediate, rngs=rngs, param_dtype=param_dtype)
-    self.down_proj = linear(intermediate, hidden, rngs=rngs, param_dtype=param_dtype)
+               precision: Precision | Any = jnp.float32):
+    self.gate_proj = linear(hidden, intermediate, rngs=rngs, precision=precision)
+    self.up_proj = linear(hidden, intermediate, rngs=rngs, precision=precision)
+    self.down_proj = linear(intermediate, hidden, rngs=rngs, precision=precision)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

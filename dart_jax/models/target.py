@@ -13,15 +13,12 @@ from flax import nnx
 
 from dart_jax.errors import CheckpointError
 from dart_jax.models import checkpoint
+from dart_jax.models import precision as precision_lib
 from dart_jax.models.config import ModelConfig, config_from_hf
+from dart_jax.models.precision import Precision
 from dart_jax.models.transformer import KVCache, ModelOutput, Transformer
 
 log = logging.getLogger(__name__)
-
-
-def default_dtype() -> jnp.dtype:
-  """float32 on CPU (bf16 is 3-5x slower there), bfloat16 on TPU/GPU."""
-  return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -33,7 +30,8 @@ class Target:
     graphdef: static NNX graph of ``Transformer``.
     params: NNX state (a pytree of arrays).
     tokenizer: ``dart_jax.io.Tokenizer`` or None for token-id-only use.
-    dtype: compute / cache dtype.
+    precision: how weights are stored and dense layers run
+      (``dart_jax.models.precision``); ``dtype`` is its compute / cache dtype.
     attn_impl: tree_attention implementation used by every call.
     source: where the weights came from (for messages).
   """
@@ -42,18 +40,27 @@ class Target:
   graphdef: Any
   params: Any
   tokenizer: Any = None
-  dtype: Any = jnp.float32
+  precision: Precision = precision_lib.FLOAT32
   attn_impl: str = "auto"
   source: str = ""
 
   @classmethod
   def init(cls, config: ModelConfig, *, seed: int = 0, dtype=None, tokenizer=None,
            attn_impl: str = "auto") -> "Target":
-    """A randomly initialised target (tests, tiny experiments)."""
-    dtype = dtype or default_dtype()
-    model = Transformer(config, rngs=nnx.Rngs(seed), param_dtype=dtype)
+    """A randomly initialised target (tests, tiny experiments).
+
+    dtype: a ``Precision``, its name, or a dtype; default
+    ``precision.default()`` (``fast`` on CPU).
+    """
+    precision = precision_lib.resolve(dtype)
+    model = Transformer(config, rngs=nnx.Rngs(seed), precision=precision)
     graphdef, params = nnx.split(model)
-    return cls(config, graphdef, params, tokenizer, dtype, attn_impl, "random")
+    return cls(config, graphdef, params, tokenizer, precision, attn_impl, "random")
+
+  @property
+  def dtype(self):
+    """Compute / KV-cache dtype."""
+    return self.precision.dtype
 
   def module(self) -> Transformer:
     """The NNX module (call inside jit, as flax examples/gemma does)."""
@@ -96,11 +103,14 @@ hf_name = checkpoint.renamer((
 ))
 
 
-def params_from_hf(config: ModelConfig, tensors: Mapping[str, np.ndarray], dtype,
+def params_from_hf(config: ModelConfig, tensors: Mapping[str, np.ndarray], precision,
                    source: str = "") -> tuple[Any, Any]:
-  """Builds (graphdef, params) from HF-named tensors ([out, in] linear weights)."""
+  """Builds (graphdef, params) from HF-named tensors ([out, in] linear weights).
+
+  precision: a ``Precision`` or anything ``precision.resolve`` takes.
+  """
   return checkpoint.state_from_tensors(
-      lambda: Transformer(config, rngs=nnx.Rngs(0), param_dtype=dtype), tensors, hf_name,
+      lambda: Transformer(config, rngs=nnx.Rngs(0), precision=precision), tensors, hf_name,
       source=source, what=f"{config.arch} checkpoint")
 
 
@@ -112,14 +122,17 @@ def load_target(path: str | os.PathLike | None = None, *, dtype=None,
     path: a HF directory (config.json + model.safetensors or sharded safetensors
       with an index), a ``.gguf`` file, or None for the embedded default
       (SmolLM2-135M-Instruct, converted once into ``dart_jax.io.cache_dir()``).
-    dtype: parameter/compute dtype; default float32 on CPU, bfloat16 elsewhere.
+    dtype: the numeric mode: a ``Precision``, its name ("fast", "float32",
+      "bfloat16", "fast-rows") or a dtype (``jnp.float32`` = the exact float32
+      mode). Default ``fast`` on CPU (bf16 weights, float32-accurate
+      activations), ``bfloat16`` on TPU/GPU.
     attn_impl: tree_attention implementation ("auto" picks the kernel per backend).
   Returns:
     A ``Target``.
   """
   from dart_jax import io as dio  # Local import: io is heavy (gguf, tokenizers).
 
-  dtype = dtype or default_dtype()
+  precision = precision_lib.resolve(dtype)
   if path is None:
     path = dio.ensure_embedded_converted()
   path = os.fspath(path)
@@ -139,6 +152,6 @@ def load_target(path: str | os.PathLike | None = None, *, dtype=None,
   config = config_from_hf(hf_config)
   if tokenizer is not None and not config.eos_token_ids and tokenizer.eos_token_ids:
     config = dataclasses.replace(config, eos_token_ids=tuple(tokenizer.eos_token_ids))
-  graphdef, params = params_from_hf(config, tensors, dtype, source=path)
-  log.info("loaded %s target from %s", config.arch, path)
-  return Target(config, graphdef, params, tokenizer, dtype, attn_impl, path)
+  graphdef, params = params_from_hf(config, tensors, precision, source=path)
+  log.info("loaded %s target from %s (%s)", config.arch, path, precision.name)
+  return Target(config, graphdef, params, tokenizer, precision, attn_impl, path)

@@ -9,7 +9,7 @@ entries become committed (all for prefill/decode, the accepted path for trees,
 see ``KVCache.compact``).
 """
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
@@ -17,7 +17,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dart_jax.models import layers
+from dart_jax.models import precision as precision_lib
 from dart_jax.models.config import ModelConfig, rope_inv_freq
+from dart_jax.models.precision import Precision
 from kernels.tree_attention import tree_attention
 from kernels.tree_attention.ops import resolve_impl
 
@@ -81,16 +83,16 @@ class Attention(nnx.Module):
   def __init__(self, *, in_features: int, out_features: int, num_heads: int,
                num_kv_heads: int, head_dim: int, qk_norm: bool = False,
                eps: float = 1e-6, use_bias: bool = False, rngs: nnx.Rngs,
-               param_dtype=jnp.float32):
-    kw = dict(rngs=rngs, param_dtype=param_dtype, use_bias=use_bias)
+               precision: Precision | Any = jnp.float32):
+    kw = dict(rngs=rngs, precision=precision, use_bias=use_bias)
     self.q_proj = layers.linear(in_features, num_heads * head_dim, **kw)
     self.k_proj = layers.linear(in_features, num_kv_heads * head_dim, **kw)
     self.v_proj = layers.linear(in_features, num_kv_heads * head_dim, **kw)
     self.o_proj = layers.linear(num_heads * head_dim, out_features, rngs=rngs,
-                                param_dtype=param_dtype)
+                                precision=precision)
     if qk_norm:
-      self.q_norm = layers.RMSNorm(head_dim, eps, param_dtype=param_dtype)
-      self.k_norm = layers.RMSNorm(head_dim, eps, param_dtype=param_dtype)
+      self.q_norm = layers.RMSNorm(head_dim, eps, precision=precision)
+      self.k_norm = layers.RMSNorm(head_dim, eps, precision=precision)
     self.qk_norm = qk_norm
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
 
@@ -135,18 +137,18 @@ class Attention(nnx.Module):
 class Block(nnx.Module):
   """Pre-norm decoder layer."""
 
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, precision: Precision | Any = jnp.float32):
     self.input_layernorm = layers.RMSNorm(config.hidden_size, config.rms_norm_eps,
-                                          param_dtype=param_dtype)
+                                          precision=precision)
     c = config
     self.self_attn = Attention(
         in_features=c.hidden_size, out_features=c.hidden_size, num_heads=c.num_heads,
         num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, qk_norm=c.qk_norm,
-        eps=c.rms_norm_eps, use_bias=c.attention_bias, rngs=rngs, param_dtype=param_dtype)
+        eps=c.rms_norm_eps, use_bias=c.attention_bias, rngs=rngs, precision=precision)
     self.post_attention_layernorm = layers.RMSNorm(
-        config.hidden_size, config.rms_norm_eps, param_dtype=param_dtype)
+        config.hidden_size, config.rms_norm_eps, precision=precision)
     self.mlp = layers.SwiGLU(config.hidden_size, config.intermediate_size, rngs=rngs,
-                             param_dtype=param_dtype)
+                             precision=precision)
 
   def __call__(self, x, cos, sin, k_cache, v_cache, lengths, tree_mask, attend_len,
                attn_impl):
@@ -161,32 +163,44 @@ class Block(nnx.Module):
 class Transformer(nnx.Module):
   """A Llama-family or Qwen3 causal LM."""
 
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, precision: Precision | Any = jnp.float32):
     self.config = config
+    self.precision = precision_lib.resolve(precision)
     self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size,
-                                  param_dtype=param_dtype,
-                                  embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
-    self.layers = nnx.List([Block(config, rngs=rngs, param_dtype=param_dtype)
+                                  param_dtype=self.precision.weight_dtype,
+                                  embedding_init=layers.normal_init(0.02), rngs=rngs)
+    self.layers = nnx.List([Block(config, rngs=rngs, precision=precision)
                             for _ in range(config.num_layers)])
     self.norm = layers.RMSNorm(config.hidden_size, config.rms_norm_eps,
-                               param_dtype=param_dtype)
+                               precision=precision)
     if not config.tie_embeddings:
       self.lm_head = layers.linear(config.hidden_size, config.vocab_size, rngs=rngs,
-                                   param_dtype=param_dtype)
+                                   precision=precision)
     self.inv_freq = tuple(float(f) for f in rope_inv_freq(
         config.head_dim, config.rope_theta, config.rope_scaling))
 
   def embed(self, tokens: jax.Array) -> jax.Array:
-    """tokens [...] -> [..., H]."""
-    return self.embed_tokens(tokens)
+    """tokens [...] -> [..., H] in the compute dtype."""
+    return self.embed_tokens(tokens).astype(self.precision.dtype)
+
+  def lm_head_logits(self, hidden: jax.Array, precision: Precision | None = None
+                     ) -> jax.Array:
+    """The LM head alone (tied or untied), no final norm: [..., H] -> [..., V] f32.
+
+    precision: the caller's mode (a drafter reading the target's head passes its
+    own); default the target's.
+    """
+    precision = precision or self.precision
+    if self.config.tie_embeddings:
+      out = precision_lib.matmul(hidden, self.embed_tokens.embedding[...], precision,
+                                 transposed=True)
+    else:
+      out = precision_lib.matmul(hidden, self.lm_head.kernel[...], precision)
+    return out.astype(jnp.float32)
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """Final norm + LM head in float32. hidden [..., H] -> [..., V]."""
-    h = self.norm(hidden)
-    if self.config.tie_embeddings:
-      w = self.embed_tokens.embedding[...]
-      return jnp.einsum("...h,vh->...v", h, w, preferred_element_type=jnp.float32)
-    return self.lm_head(h).astype(jnp.float32)
+    return self.lm_head_logits(self.norm(hidden))
 
   def __call__(
       self,

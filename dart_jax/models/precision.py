@@ -1,0 +1,174 @@
+"""The library's one matmul policy: how weights are stored and dense layers run.
+
+Every dense layer (target, draft heads, tied or untied LM heads) calls ``matmul``
+with its module's ``Precision``. Modes:
+
+- ``float32``: float32 weights and activations, plain float32 dots (exact mode).
+- ``fast`` (the CPU default for targets): weights stored in bfloat16; activations,
+  norms, attention, softmax and KV caches in float32. Each dot splits the float32
+  activation exactly into three bfloat16 parts (``hi + mid + lo``, the remainder is
+  ~2^-24 |x|), stacks them as extra rows of ONE bf16 x bf16 -> f32 dot and sums
+  the row blocks. bf16 products are exact in float32, so the result is as accurate
+  as a float32 dot of the same (bf16) weights, while XLA:CPU runs it on its AMX /
+  AVX512-BF16 path whose cost is nearly flat in the number of rows. Accuracy is
+  what keeps speculative decoding lossless: a target whose numerics depended on
+  how many tokens a call holds would verify a tree differently than it decodes.
+- ``fast-rows`` (drafters in fast mode, and work whose numerics need not match the
+  target's decode exactly): bf16 weights, activations rounded to bf16 rows, float32
+  accumulation. The cheapest form; a draft model's numerics cannot break
+  losslessness, only acceptance.
+- ``bfloat16`` (TPU/GPU default): bfloat16 weights and activations, native dots.
+
+Measured on the 2-core AVX512-BF16 CPU (``python -m infer.precision_bench``):
+plain bf16 x bf16 -> bf16 dots are several times slower than float32, and a
+one-row bf16 dot takes a slow path, so one-row ``fast-rows`` dots are padded to
+two rows (``fast`` has three rows per input row already).
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dart_jax.errors import ConfigError
+
+DOT_FORMS = ("native", "split3", "rows")
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+  """A numeric mode of a model.
+
+  name: "float32", "fast", "fast-rows" or "bfloat16" (or "float16").
+  weight_dtype: dense kernels and embedding tables.
+  dtype: activations, norm scales and other small parameters, KV caches.
+  dot: how ``matmul`` runs a dense layer: "native" (operands in their dtype),
+    "split3" (exact 3-part bf16 split of the activation) or "rows" (activation
+    rounded to bf16).
+  """
+
+  name: str
+  weight_dtype: Any
+  dtype: Any
+  dot: str
+
+  def __post_init__(self):
+    if self.dot not in DOT_FORMS:
+      raise ConfigError(f"Precision.dot must be one of {DOT_FORMS}, got {self.dot!r}")
+
+  def for_drafter(self) -> "Precision":
+    """The mode a draft model of a target in this mode runs in (the cheapest
+    form of the same storage: drafter numerics only affect acceptance)."""
+    return FAST_ROWS if self.dot == "split3" else self
+
+  def uniform(self) -> "Precision":
+    """Every weight in the compute dtype (small matrices read as float32 math,
+    e.g. Domino's GRU and projections), native dots."""
+    return of_dtype(self.dtype)
+
+
+FLOAT32 = Precision("float32", jnp.float32, jnp.float32, "native")
+BFLOAT16 = Precision("bfloat16", jnp.bfloat16, jnp.bfloat16, "native")
+FAST = Precision("fast", jnp.bfloat16, jnp.float32, "split3")
+FAST_ROWS = Precision("fast-rows", jnp.bfloat16, jnp.float32, "rows")
+_NAMED = {p.name: p for p in (FLOAT32, BFLOAT16, FAST, FAST_ROWS)}
+NAMES = tuple(_NAMED)
+
+
+def of_dtype(dtype) -> Precision:
+  """The uniform mode of one dtype: weights and activations both ``dtype``."""
+  dtype = jnp.dtype(dtype)
+  if dtype == jnp.float32:
+    return FLOAT32
+  if dtype == jnp.bfloat16:
+    return BFLOAT16
+  if jnp.issubdtype(dtype, jnp.floating):
+    return Precision(dtype.name, dtype, dtype, "native")
+  raise ConfigError(f"a model dtype must be floating, got {dtype}")
+
+
+def default() -> Precision:
+  """``fast`` on CPU, ``bfloat16`` on TPU/GPU."""
+  return FAST if jax.default_backend() == "cpu" else BFLOAT16
+
+
+def resolve(spec: "Precision | str | Any | None") -> Precision:
+  """A ``Precision`` from a mode, its name, a dtype (its uniform mode), or None
+  (``default()``)."""
+  if spec is None:
+    return default()
+  if isinstance(spec, Precision):
+    return spec
+  if isinstance(spec, str) and spec in _NAMED:
+    return _NAMED[spec]
+  try:
+    return of_dtype(spec)
+  except TypeError as e:
+    raise ConfigError(f"unknown precision {spec!r}: use one of {NAMES} or a "
+                      "floating dtype") from e
+
+
+def of_drafter(spec, target=None) -> Precision:
+  """A draft model's mode: ``spec`` resolved if given, else its target's
+  ``for_drafter()`` (``default().for_drafter()`` without a target)."""
+  if spec is not None:
+    return resolve(spec)
+  return (target.precision if target is not None else default()).for_drafter()
+
+
+def add_cli_flag(parser) -> None:
+  """``--precision auto|fast|float32|...`` for a command-line driver; read it with
+  ``resolve_flag(args.precision)``."""
+  parser.add_argument(
+      "--precision", default="auto", choices=("auto",) + NAMES,
+      help="numeric mode: auto (fast on CPU: bf16 weights, float32-accurate "
+           "activations; bfloat16 on TPU/GPU), float32 (exact), bfloat16, fast-rows")
+
+
+def resolve_flag(value: str) -> Precision:
+  """The ``Precision`` a ``--precision`` value names ("auto" = ``default()``)."""
+  return resolve(None if value == "auto" else value)
+
+
+def split3(x: jax.Array) -> jax.Array:
+  """float32 ``x [M, K]`` -> ``[3M, K]`` bf16 rows ``hi, mid, lo`` with
+  ``hi + mid + lo == x`` up to ~2^-24 |x| (each remainder is exact in float32)."""
+  hi = x.astype(jnp.bfloat16)
+  rest = x - hi.astype(jnp.float32)
+  mid = rest.astype(jnp.bfloat16)
+  lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+  return jnp.concatenate([hi, mid, lo], axis=0)
+
+
+def matmul(x: jax.Array, w: jax.Array, precision: Precision, *,
+           transposed: bool = False) -> jax.Array:
+  """``x @ w`` as ``precision`` says; the library's only dense-layer dot.
+
+  Args:
+    x: [..., K] activations.
+    w: [K, N] kernel, or [N, K] with ``transposed`` (an embedding table used as
+      a tied LM head).
+    precision: the calling module's mode.
+  Returns:
+    [..., N] in ``precision.dtype``.
+  """
+  contract = ((1,), (1,)) if transposed else ((1,), (0,))
+  lead = x.shape[:-1]
+  rows = x.reshape(-1, x.shape[-1])
+  m = rows.shape[0]
+  if precision.dot == "native":
+    out = jax.lax.dot_general(rows.astype(w.dtype), w, (contract, ((), ())),
+                              preferred_element_type=precision.dtype)
+  elif precision.dot == "split3":
+    parts = jax.lax.dot_general(split3(rows.astype(jnp.float32)), w, (contract, ((), ())),
+                                preferred_element_type=jnp.float32).reshape(3, m, -1)
+    # Smallest parts first: their sum is exact before it meets ``hi``.
+    out = parts[0] + (parts[1] + parts[2])
+  else:  # rows
+    lhs = rows.astype(jnp.bfloat16)
+    if m == 1:  # A one-row bf16 dot takes XLA:CPU's slow path.
+      lhs = jnp.concatenate([lhs, lhs], axis=0)
+    out = jax.lax.dot_general(lhs, w, (contract, ((), ())),
+                              preferred_element_type=jnp.float32)[:m]
+  return out.astype(precision.dtype).reshape(*lead, out.shape[-1])

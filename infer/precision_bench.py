@@ -1,0 +1,108 @@
+"""Benchmark: the matmul policy's dot forms, and the target's verify-cost curve per mode.
+
+  python -m infer.precision_bench [--reps 15] [--json out.json] [--no-target]
+
+1. Dots of the embedded model's shapes (tied LM head 576 x 49152, MLP up 576 x
+   1536 and down 1536 x 576) at M rows: float32 weights with float32 dots, and
+   bf16 weights with the ``split3`` (target, exact) and ``rows`` (drafter) forms
+   of ``dart_jax.models.precision.matmul``. Median ms of alternating runs.
+2. One target pass over T tokens (a tree-verify pass, as ``--tree-budget auto``
+   times it) in each mode, and its cost relative to T=1 of the same mode and of
+   float32: the curve that decides how large a tree pays on this machine.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+import dart_jax as dj
+from dart_jax.models import precision
+from infer import tree_budget
+
+DOT_SHAPES = {"lm_head": (576, 49152), "mlp_up": (576, 1536), "mlp_down": (1536, 576)}
+ROWS = (1, 2, 9, 16, 32, 64, 128, 512)
+MODES = ("float32", "fast")
+
+
+def _time(fn, args, reps: int) -> list[float]:
+  jax.block_until_ready(fn(*args))
+  out = []
+  for _ in range(reps):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    out.append(time.perf_counter() - start)
+  return out
+
+
+def dot_table(reps: int, rows=ROWS) -> dict:
+  """{shape: {M: {form: median ms}}} for float32, split3 and rows."""
+  forms = {"float32": precision.FLOAT32, "split3": precision.FAST,
+           "rows": precision.FAST_ROWS}
+  table = {}
+  for name, (k, n) in DOT_SHAPES.items():
+    w32 = jax.random.normal(jax.random.key(0), (k, n), jnp.float32) * 0.02
+    weights = {"float32": w32, "split3": w32.astype(jnp.bfloat16)}
+    weights["rows"] = weights["split3"]
+    table[name] = {}
+    for m in rows:
+      x = jax.random.normal(jax.random.key(1), (m, k), jnp.float32)
+      fns = {f: jax.jit(lambda a, w, p=p: precision.matmul(a, w, p))
+             for f, p in forms.items()}
+      times = {f: [] for f in forms}
+      for rep in range(reps):  # alternate forms so drift hits all alike
+        for f in (forms if rep % 2 == 0 else reversed(list(forms))):
+          times[f] += _time(fns[f], (x, weights[f]), 1)
+      table[name][m] = {f: 1e3 * statistics.median(t) for f, t in times.items()}
+  return table
+
+
+def verify_curves(reps: int, sizes=tree_budget.VERIFY_SIZES) -> dict:
+  """{mode: {T: median ms}} of a target tree-verify pass, embedded SmolLM2."""
+  return {mode: {t: 1e3 * s for t, s in tree_budget.measure_verify_costs(
+      dj.load_target(dtype=mode), sizes, reps=reps).items()} for mode in MODES}
+
+
+def report(dots: dict, curves: dict | None) -> str:
+  lines = ["dot ms (median)      " + "".join(f"{'M=' + str(m):>22}" for m in ROWS)]
+  for name, by_rows in dots.items():
+    lines.append(f"{name:<20} " + "".join(
+        f"{r['float32']:6.2f}/{r['split3']:6.2f}/{r['rows']:6.2f}  "
+        for r in by_rows.values()))
+  lines.append("  (float32 / split3 / rows)")
+  if curves:
+    base = curves["float32"][1]
+    lines.append("target pass ms:  T  " + "  ".join(f"{t:>6}" for t in curves["float32"]))
+    for mode, curve in curves.items():
+      lines.append(f"  {mode:<15}  " + "  ".join(f"{v:6.1f}" for v in curve.values()))
+      lines.append(f"  {'x own T=1':<15}  " + "  ".join(
+          f"{v / curve[1]:6.2f}" for v in curve.values()))
+      lines.append(f"  {'x float32 T=1':<15}  " + "  ".join(
+          f"{v / base:6.2f}" for v in curve.values()))
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--reps", type=int, default=15, help="timed runs per entry (15)")
+  p.add_argument("--json", default=None, help="write the numbers to this JSON file")
+  p.add_argument("--no-target", action="store_true",
+                 help="dots only (skip the embedded model's verify curves)")
+  args = p.parse_args(argv)
+  dots = dot_table(args.reps)
+  curves = None if args.no_target else verify_curves(max(3, args.reps // 2))
+  print(report(dots, curves))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"dots_ms": dots, "verify_ms": curves,
+                 "devices": [str(d) for d in jax.devices()]}, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

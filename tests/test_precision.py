@@ -1,0 +1,123 @@
+"""The matmul policy: exact bf16 splits, dot forms, modes, and where they apply."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dart_jax as dj
+from dart_jax.models import ModelConfig, Target, precision
+from dart_jax.models.precision import FAST, FAST_ROWS, FLOAT32, matmul, split3
+from dart_jax.models.transformer import causal_mask
+
+CONFIG = ModelConfig(arch="llama", vocab_size=97, hidden_size=32, intermediate_size=64,
+                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                     max_position_embeddings=128)
+
+
+def _activations(m, k, seed=0):
+  # Spread over many binades so the split's parts all matter.
+  rng = np.random.default_rng(seed)
+  return (rng.standard_normal((m, k)) * np.exp2(rng.integers(-8, 8, (m, k)))
+          ).astype(np.float32)
+
+
+def test_split3_reconstructs_float32_to_its_last_bits():
+  x = _activations(64, 96)
+  parts = np.asarray(split3(jnp.asarray(x)).astype(jnp.float32), np.float64)
+  hi, mid, lo = parts[:64], parts[64:128], parts[128:]
+  err = np.abs(hi + mid + lo - x.astype(np.float64))
+  assert np.all(err <= 2.0 ** -24 * np.abs(x)), err.max()
+  # A two-part split is not enough: the third part carries real bits.
+  assert np.max(np.abs(hi + mid - x) / np.abs(x)) > 2.0 ** -20
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_split3_dot_is_as_exact_as_float32_and_rows_is_not(transposed):
+  rng = np.random.default_rng(1)
+  w = jnp.asarray(rng.standard_normal((96, 200)) * 0.05, jnp.bfloat16)
+  x = jnp.asarray(_activations(9, 96))
+  exact = np.asarray(x, np.float64) @ np.asarray(w.astype(jnp.float32), np.float64)
+  w_arg = w.T if transposed else w
+  scale = np.abs(exact).max()
+
+  def err(prec):
+    got = matmul(x, w_arg, prec, transposed=transposed)
+    assert got.dtype == jnp.float32
+    return np.abs(np.asarray(got, np.float64) - exact).max() / scale
+
+  f32 = matmul(x, w_arg.astype(jnp.float32), FLOAT32, transposed=transposed)
+  f32_err = np.abs(np.asarray(f32, np.float64) - exact).max() / scale
+  assert err(FAST) <= max(4 * f32_err, 1e-6)
+  assert err(FAST_ROWS) > 100 * err(FAST)  # rounded rows lose bits (drafters only)
+
+
+def test_split3_rows_do_not_depend_on_how_many_rows_a_call_holds():
+  """What keeps verification lossless: a row's result is the same whether the
+  call holds 1 row (decode) or 27 (a tree)."""
+  rng = np.random.default_rng(2)
+  w = jnp.asarray(rng.standard_normal((96, 300)) * 0.05, jnp.bfloat16)
+  x = jnp.asarray(_activations(27, 96, seed=3))
+  batched = np.asarray(jax.jit(lambda a: matmul(a, w, FAST))(x))
+  one = np.stack([np.asarray(jax.jit(lambda a: matmul(a, w, FAST))(x[i:i + 1]))[0]
+                  for i in range(27)])
+  np.testing.assert_allclose(one, batched, rtol=0, atol=2e-6 * np.abs(batched).max())
+
+
+def test_one_row_bf16_dot_is_padded_and_equals_the_row_of_a_larger_call():
+  rng = np.random.default_rng(4)
+  w = jnp.asarray(rng.standard_normal((64, 50)), jnp.bfloat16)
+  x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+  single = matmul(x[:1], w, FAST_ROWS)
+  assert single.shape == (1, 50)
+  np.testing.assert_allclose(np.asarray(single), np.asarray(matmul(x, w, FAST_ROWS))[:1],
+                             rtol=1e-6, atol=1e-6)
+
+
+def test_resolve_modes_names_dtypes_and_errors():
+  assert precision.resolve(None) is FAST  # the CPU default
+  assert precision.resolve("float32") is FLOAT32
+  assert precision.resolve(jnp.float32) is FLOAT32
+  assert precision.resolve(np.float32) is FLOAT32
+  assert precision.resolve(jnp.bfloat16) is precision.BFLOAT16
+  assert precision.resolve("fast-rows") is FAST_ROWS
+  assert FAST.for_drafter() is FAST_ROWS and FLOAT32.for_drafter() is FLOAT32
+  with pytest.raises(dj.ConfigError, match="unknown precision"):
+    precision.resolve("fp8")
+  with pytest.raises(dj.ConfigError, match="floating"):
+    precision.resolve(np.int32)
+
+
+def _dtypes(params):
+  return {"/".join(str(k) for k in path): leaf.dtype
+          for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+
+
+def test_fast_target_stores_bf16_weights_and_computes_in_float32():
+  target = Target.init(CONFIG, seed=0)
+  assert target.precision is FAST and target.dtype == jnp.float32
+  dtypes = _dtypes(target.params)
+  kernels = {k: d for k, d in dtypes.items() if "kernel" in k or "embedding" in k}
+  norms = {k: d for k, d in dtypes.items() if "scale" in k}
+  assert kernels and set(kernels.values()) == {jnp.dtype(jnp.bfloat16)}
+  assert norms and set(norms.values()) == {jnp.dtype(jnp.float32)}
+  assert target.new_cache(1, 8).k[0].dtype == jnp.float32
+  head = dj.DartHead.init(target, draft_length=2)
+  assert head.module().precision is FAST_ROWS  # drafters follow with the cheap form
+
+
+def test_fast_target_matches_float32_on_the_same_weights():
+  """Fast mode = float32 math on bf16-rounded weights, to float32 accuracy."""
+  fast = Target.init(CONFIG, seed=0)
+  exact = Target.init(CONFIG, seed=0, dtype=jnp.float32)
+  exact = exact.with_params(jax.tree.map(lambda f, e: f.astype(e.dtype), fast.params,
+                                         exact.params))
+  tokens = jnp.asarray(np.random.default_rng(5).integers(0, 97, (2, 12)), jnp.int32)
+  want = dj.generate(exact, tokens.tolist(), max_new_tokens=8).tokens
+  got = dj.generate(fast, tokens.tolist(), max_new_tokens=8).tokens
+  assert got == want
+  positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
+  logits = [t.forward(tokens, positions, t.new_cache(2, 16), causal_mask(2, 12)).logits
+            for t in (fast, exact)]
+  np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(logits[1]), rtol=0,
+                             atol=1e-5 * float(jnp.abs(logits[1]).max()))
