@@ -9,6 +9,8 @@
 2. One target pass over T tokens (a tree-verify pass, as ``--tree-budget auto``
    times it) in each mode, and its cost relative to T=1 of the same mode and of
    float32: the curve that decides how large a tree pays on this machine.
+3. Plain decoding (AR) tokens/s of the embedded model in each mode, alternating
+   runs on the same chat prompts.
 """
 
 import argparse
@@ -67,7 +69,25 @@ def verify_curves(reps: int, sizes=tree_budget.VERIFY_SIZES) -> dict:
       dj.load_target(dtype=mode), sizes, reps=reps).items()} for mode in MODES}
 
 
-def report(dots: dict, curves: dict | None) -> str:
+AR_PROMPTS = ("Explain what a compiler does in three sentences.",
+              "Write a Python function that reverses a linked list.")
+
+
+def ar_rates(reps: int, max_new_tokens: int = 64) -> dict:
+  """{mode: median AR tokens/s} on ``AR_PROMPTS``, modes alternating."""
+  targets = {mode: dj.load_target(dtype=mode) for mode in MODES}
+  rates = {mode: [] for mode in MODES}
+  for rep in range(reps + 1):
+    for mode in (MODES if rep % 2 == 0 else tuple(reversed(MODES))):
+      for prompt in AR_PROMPTS:
+        out = dj.generate(targets[mode], prompt, max_new_tokens=max_new_tokens,
+                          eos_token_ids=())
+        if rep:  # the first pass compiles
+          rates[mode].append(out.stats.tokens_per_s)
+  return {mode: statistics.median(r) for mode, r in rates.items()}
+
+
+def report(dots: dict, curves: dict | None, ar: dict | None = None) -> str:
   lines = ["dot ms (median)      " + "".join(f"{'M=' + str(m):>22}" for m in ROWS)]
   for name, by_rows in dots.items():
     lines.append(f"{name:<20} " + "".join(
@@ -83,6 +103,9 @@ def report(dots: dict, curves: dict | None) -> str:
           f"{v / curve[1]:6.2f}" for v in curve.values()))
       lines.append(f"  {'x float32 T=1':<15}  " + "  ".join(
           f"{v / base:6.2f}" for v in curve.values()))
+  if ar:
+    lines.append("AR tok/s: " + ", ".join(f"{m} {r:.1f}" for m, r in ar.items())
+                 + f"  (fast / float32 = {ar['fast'] / ar['float32']:.3f})")
   return "\n".join(lines)
 
 
@@ -96,10 +119,11 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   dots = dot_table(args.reps)
   curves = None if args.no_target else verify_curves(max(3, args.reps // 2))
-  print(report(dots, curves))
+  ar = None if args.no_target else ar_rates(max(2, args.reps // 5))
+  print(report(dots, curves, ar))
   if args.json:
     with open(args.json, "w") as f:
-      json.dump({"dots_ms": dots, "verify_ms": curves,
+      json.dump({"dots_ms": dots, "verify_ms": curves, "ar_tokens_per_s": ar,
                  "devices": [str(d) for d in jax.devices()]}, f, indent=1)
   return 0
 

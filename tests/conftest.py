@@ -7,9 +7,20 @@ import os
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()
 
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import dart_jax as dj  # pylint: disable=wrong-import-position
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+  """XLA:CPU maps the code of every compiled program into the process; the
+  suite compiles thousands, and past the kernel's per-process map limit
+  (vm.max_map_count, 65530 by default) a compile segfaults. Dropping JAX's
+  caches after each test module lets the programs be freed."""
+  yield
+  jax.clear_caches()
 
 
 @pytest.fixture(scope="session")

@@ -233,9 +233,10 @@ def test_tiny_training_lowers_the_loss_and_exports_a_loadable_drafter(tmp_path):
   assert train[-1]["loss"] < train[-1]["loss_base"]
   loaded = dj.load_dart_gru(os.path.join(workdir, "export"), target)
   assert (loaded.config.emb_dim, loaded.config.gru_hidden_dim) == (32, 32)
-  frozen = loaded.dart_head().params
+  frozen, initial = loaded.dart_head().module(), head.module()
   for name in ("lm_head", "fc"):
-    np.testing.assert_array_equal(frozen[name]["kernel"][...], head.params[name]["kernel"][...])
+    np.testing.assert_array_equal(getattr(frozen, name).matrix(),
+                                  getattr(initial, name).matrix())
   state = loop.init_state(loaded, loop.StepSettings(
       head_config=loaded.config, num_anchors=4, level_decay=0.6, param_dtype="float32",
       compute_dtype="auto", attn_impl="xla", optim=configs.OptimSection(), steps=1), 0)

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import dart_jax as dj
-from dart_jax.models import ModelConfig, Target, precision
+from dart_jax.models import ModelConfig, Target, checkpoint, precision
+from dart_jax.models import target as target_lib
 from dart_jax.models.precision import FAST, FAST_ROWS, FLOAT32, matmul, split3
 from dart_jax.models.transformer import causal_mask
 
@@ -109,9 +110,13 @@ def test_fast_target_stores_bf16_weights_and_computes_in_float32():
 def test_fast_target_matches_float32_on_the_same_weights():
   """Fast mode = float32 math on bf16-rounded weights, to float32 accuracy."""
   fast = Target.init(CONFIG, seed=0)
-  exact = Target.init(CONFIG, seed=0, dtype=jnp.float32)
-  exact = exact.with_params(jax.tree.map(lambda f, e: f.astype(e.dtype), fast.params,
-                                         exact.params))
+  # The same (bf16) weights through checkpoint tensors into a float32 target.
+  graphdef, params = target_lib.params_from_hf(
+      CONFIG, checkpoint.tensors_from_state(fast.params, target_lib.hf_name), "float32")
+  exact = Target(CONFIG, graphdef, params, precision=FLOAT32)
+  dense = exact.module().layers[0].mlp.up_proj
+  assert not dense.transposed and dense.kernel.shape == (32, 64)
+  assert fast.module().layers[0].mlp.up_proj.weight.shape == (64, 32)
   tokens = jnp.asarray(np.random.default_rng(5).integers(0, 97, (2, 12)), jnp.int32)
   want = dj.generate(exact, tokens.tolist(), max_new_tokens=8).tokens
   got = dj.generate(fast, tokens.tolist(), max_new_tokens=8).tokens

@@ -61,7 +61,7 @@ for shape in [(1, 1, 1), (8, 1, 1), (2, 4, 1), (2, 2, 2)]:
               zip(jax.tree.leaves(after), jax.tree.leaves(before)))
   np.savez(os.path.join(__OUT__, "x".join(map(str, shape)) + ".npz"), **flat)
   q = new["params"]["midlayer"]["self_attn"]["q_proj"]["kernel"]
-  tq = target_params["layers"][1]["self_attn"]["q_proj"]["kernel"]
+  tq = target_params["layers"][1]["self_attn"]["q_proj"]["weight"]  # fast mode: [out, in]
   mu = new["opt_state"][1][0].mu["midlayer"]["self_attn"]["q_proj"]["kernel"]
   out["x".join(map(str, shape))] = {
       "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
@@ -85,6 +85,11 @@ def test_spec_rules_replicate_dimensions_the_mesh_does_not_divide():
   assert sharding.spec_for("embed_tokens/embedding", (322, 64), mesh) == \
       jax.sharding.PartitionSpec(None, "fsdp")
   assert sharding.spec_for("norm/scale", (64,), mesh) == jax.sharding.PartitionSpec()
+  # The fast modes' [out, in] weights shard the same dimensions, transposed.
+  assert sharding.spec_for("layers/0/mlp/up_proj/weight", (64, 128), mesh) == \
+      jax.sharding.PartitionSpec(None, "fsdp")
+  assert sharding.spec_for("layers/0/mlp/down_proj/weight", (128, 64), mesh) == \
+      jax.sharding.PartitionSpec("fsdp", None)
 
 
 def test_one_step_on_8_devices_matches_one_device(tmp_path):
@@ -114,7 +119,7 @@ def test_one_step_on_8_devices_matches_one_device(tmp_path):
   # The batch is split over (data, fsdp) and the matrices over (fsdp, tensor).
   assert results["8x1x1"]["batch_spec"] == [["data", "fsdp"]]
   assert results["2x2x2"]["head_q_spec"] == ["fsdp", "tensor"]
-  assert results["2x2x2"]["target_q_spec"] == ["fsdp", "tensor"]
+  assert results["2x2x2"]["target_q_spec"] == ["tensor", "fsdp"]  # [out, in] weight
   assert results["2x2x2"]["adam_mu_spec"] == ["fsdp", "tensor"]
   # tensor has size 1 there: only fsdp (JAX drops trailing Nones).
   assert results["2x4x1"]["head_q_spec"] in (["fsdp"], ["fsdp", None])

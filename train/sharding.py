@@ -25,13 +25,16 @@ AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
 # (regex on the "/"-joined parameter path, partition of each dimension). Linear
-# kernels are [in, out]; the embedding is [V, H].
+# kernels are [in, out], dense weights (the fast modes' layout) [out, in]; the
+# embedding is [V, H].
 PARAM_RULES: tuple[tuple[str, tuple], ...] = (
     (r"(.*/)?embed_tokens/embedding", ("tensor", "fsdp")),
     (r".*(q_proj|k_proj|v_proj|gate_proj|up_proj)/kernel", ("fsdp", "tensor")),
     (r".*(o_proj|down_proj)/kernel", ("tensor", "fsdp")),
-    (r"(.*/)?lm_head/kernel", ("fsdp", "tensor")),
-    (r"(.*/)?fc/kernel", ("fsdp", "tensor")),
+    (r"(.*/)?(lm_head|fc)/kernel", ("fsdp", "tensor")),
+    (r".*(q_proj|k_proj|v_proj|gate_proj|up_proj)/weight", ("tensor", "fsdp")),
+    (r".*(o_proj|down_proj)/weight", ("fsdp", "tensor")),
+    (r"(.*/)?(lm_head|fc)/weight", ("tensor", "fsdp")),
     (r".*/bias", ("tensor",)),
 )
 

@@ -2,7 +2,8 @@
 
 Checkpoints name tensors the PyTorch way (``model.layers.0.mlp.up_proj.weight``)
 and store linear weights as [out, in]; NNX kernels are [in, out]. Every leaf
-whose NNX name ends in ``kernel`` is transposed on the way in and out.
+whose NNX name ends in ``kernel`` is transposed on the way in and out; a dense
+``weight`` leaf (the fast modes' layout, ``layers.Dense``) is [out, in] already.
 """
 
 import re

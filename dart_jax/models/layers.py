@@ -32,25 +32,43 @@ def normal_init(stddev: float):
 
 
 class Dense(nnx.Module):
-  """``x @ kernel (+ bias)`` through ``precision.matmul``; kernel [in, out].
+  """``x @ W (+ bias)`` through ``precision.matmul``.
 
-  The kernel is stored in ``precision.weight_dtype`` (bf16 in the fast mode), the
-  bias and the output in ``precision.dtype``.
+  The matrix is ``kernel [in, out]``, or ``weight [out, in]`` when
+  ``precision.transposed_weights`` (the fast modes: XLA:CPU's bf16 dots are
+  faster on that layout), stored in ``precision.weight_dtype``; the bias and
+  the output are in ``precision.dtype``. Checkpoint I/O transposes ``kernel``
+  leaves only (``dart_jax.models.checkpoint``).
   """
 
   def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs,
                precision: Precision | Any = jnp.float32, use_bias: bool = False,
                stddev: float = 0.02):
     self.precision = precision_lib.resolve(precision)
-    self.kernel = nnx.Param(normal_init(stddev)(
-        rngs.params(), (in_features, out_features), self.precision.weight_dtype))
+    self.transposed = self.precision.transposed_weights
+    # Drawn as [in, out] in either layout: the same seed gives the same layer.
+    matrix = normal_init(stddev)(rngs.params(), (in_features, out_features),
+                                 self.precision.weight_dtype)
+    if self.transposed:
+      self.weight = nnx.Param(matrix.T)
+    else:
+      self.kernel = nnx.Param(matrix)
     if use_bias:
       self.bias = nnx.Param(jnp.zeros((out_features,), self.precision.dtype))
     self.use_bias = use_bias
 
+  def matrix(self) -> jax.Array:
+    """The stored matrix: ``weight [out, in]`` or ``kernel [in, out]``."""
+    return self.weight[...] if self.transposed else self.kernel[...]
+
+  def apply(self, x: jax.Array, precision: Precision) -> jax.Array:
+    """The layer's matmul in another module's mode (a drafter reading a target
+    LM head); no bias. x: [..., in] -> [..., out]."""
+    return precision_lib.matmul(x, self.matrix(), precision, transposed=self.transposed)
+
   def __call__(self, x: jax.Array) -> jax.Array:
     """x: [..., in] -> [..., out]."""
-    out = precision_lib.matmul(x, self.kernel[...], self.precision)
+    out = self.apply(x, self.precision)
     return out + self.bias[...] if self.use_bias else out
 
 

@@ -46,12 +46,18 @@ class Precision:
   dot: how ``matmul`` runs a dense layer: "native" (operands in their dtype),
     "split3" (exact 3-part bf16 split of the activation) or "rows" (activation
     rounded to bf16).
+  transposed_weights: dense layers store their matrix as ``weight [out, in]``
+    (the checkpoint layout) instead of ``kernel [in, out]``. XLA:CPU's bf16 dot
+    path runs a 30-layer SmolLM2-sized stack ~30% faster that way (17.5 vs
+    24.5 ms at one row, 20.6 vs 28.5 ms at 9, against 21.5 / 44.0 ms in
+    float32), so the fast modes use it.
   """
 
   name: str
   weight_dtype: Any
   dtype: Any
   dot: str
+  transposed_weights: bool = False
 
   def __post_init__(self):
     if self.dot not in DOT_FORMS:
@@ -70,8 +76,9 @@ class Precision:
 
 FLOAT32 = Precision("float32", jnp.float32, jnp.float32, "native")
 BFLOAT16 = Precision("bfloat16", jnp.bfloat16, jnp.bfloat16, "native")
-FAST = Precision("fast", jnp.bfloat16, jnp.float32, "split3")
-FAST_ROWS = Precision("fast-rows", jnp.bfloat16, jnp.float32, "rows")
+FAST = Precision("fast", jnp.bfloat16, jnp.float32, "split3", transposed_weights=True)
+FAST_ROWS = Precision("fast-rows", jnp.bfloat16, jnp.float32, "rows",
+                      transposed_weights=True)
 _NAMED = {p.name: p for p in (FLOAT32, BFLOAT16, FAST, FAST_ROWS)}
 NAMES = tuple(_NAMED)
 

@@ -95,8 +95,9 @@ def _forward(graphdef, params, tokens, positions, cache, tree_mask, *, attend_le
 hf_name = checkpoint.renamer((
     (r"embed_tokens/embedding", "model.embed_tokens.weight"),
     (r"norm/scale", "model.norm.weight"),
-    (r"lm_head/kernel", "lm_head.weight"),
-    (r"layers/(\d+)/(self_attn|mlp)/(\w+_proj)/kernel", r"model.layers.\1.\2.\3.weight"),
+    (r"lm_head/(kernel|weight)", "lm_head.weight"),
+    (r"layers/(\d+)/(self_attn|mlp)/(\w+_proj)/(kernel|weight)",
+     r"model.layers.\1.\2.\3.weight"),
     (r"layers/(\d+)/(self_attn|mlp)/(\w+_proj)/bias", r"model.layers.\1.\2.\3.bias"),
     (r"layers/(\d+)/self_attn/(q_norm|k_norm)/scale", r"model.layers.\1.self_attn.\2.weight"),
     (r"layers/(\d+)/(\w+_layernorm)/scale", r"model.layers.\1.\2.weight"),

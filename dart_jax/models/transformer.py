@@ -195,7 +195,7 @@ class Transformer(nnx.Module):
       out = precision_lib.matmul(hidden, self.embed_tokens.embedding[...], precision,
                                  transposed=True)
     else:
-      out = precision_lib.matmul(hidden, self.lm_head.kernel[...], precision)
+      out = self.lm_head.apply(hidden, precision)
     return out.astype(jnp.float32)
 
   def logits(self, hidden: jax.Array) -> jax.Array:
