@@ -5,7 +5,8 @@
 1. Dots of the embedded model's shapes (tied LM head 576 x 49152, MLP up 576 x
    1536 and down 1536 x 576) at M rows: float32 weights with float32 dots, and
    bf16 weights with the ``split3`` (target, exact) and ``rows`` (drafter) forms
-   of ``dart_jax.models.precision.matmul``. Median ms of alternating runs.
+   of ``dart_jax.models.precision.matmul``, each in the layout its mode stores.
+   Median ms of alternating runs.
 2. One target pass over T tokens (a tree-verify pass, as ``--tree-budget auto``
    times it) in each mode, and its cost relative to T=1 of the same mode and of
    float32: the curve that decides how large a tree pays on this machine.
@@ -48,12 +49,14 @@ def dot_table(reps: int, rows=ROWS) -> dict:
   table = {}
   for name, (k, n) in DOT_SHAPES.items():
     w32 = jax.random.normal(jax.random.key(0), (k, n), jnp.float32) * 0.02
-    weights = {"float32": w32, "split3": w32.astype(jnp.bfloat16)}
-    weights["rows"] = weights["split3"]
+    # Each form in the layout its mode stores (the fast modes: [out, in]).
+    weights = {f: (w32.T if p.transposed_weights else w32).astype(p.weight_dtype)
+               for f, p in forms.items()}
     table[name] = {}
     for m in rows:
       x = jax.random.normal(jax.random.key(1), (m, k), jnp.float32)
-      fns = {f: jax.jit(lambda a, w, p=p: precision.matmul(a, w, p))
+      fns = {f: jax.jit(lambda a, w, p=p: precision.matmul(a, w, p,
+                                                           transposed=p.transposed_weights))
              for f, p in forms.items()}
       times = {f: [] for f in forms}
       for rep in range(reps):  # alternate forms so drift hits all alike

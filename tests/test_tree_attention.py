@@ -85,6 +85,9 @@ def naive_tree_attention(q, k_cache, v_cache, lengths, k_tree, v_tree, tree_mask
         (3, 5, 6, 2, 16, [16, 1, 9], "tree", 0.3),  # GQA 3, full cache, scale.
         (1, 9, 8, 1, 11, [4], "causal", None),  # GQA 8, causal (prefill).
         (2, 1, 2, 1, 8, [3, 8], "tree", None),  # Decode.
+        # Batched decode.
+        (16, 1, 6, 2, 12, [0, 12, 5] + [7] * 13, "tree", None),
+        (16, 2, 4, 4, 10, list(range(10)) + [10] * 6, "tree", 0.5),
     ])
 def test_reference_matches_naive_loop(batch, num_tree, num_q_heads, num_kv_heads,
                                       cache_size, lengths, mask, scale):
@@ -107,8 +110,9 @@ def test_reference_row_that_sees_nothing_is_zero_and_others_unchanged():
   np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_reference_ignores_cache_past_length():
-  args = list(random_inputs(1, 3, 2, 2, 8, 10, [4]))
+@pytest.mark.parametrize("batch,num_tree", [(1, 3), (16, 1)])  # dots / multiply-reduce
+def test_reference_ignores_cache_past_length(batch, num_tree):
+  args = list(random_inputs(batch, num_tree, 2, 2, 8, 10, [4] * batch))
   out = tree_attention_reference(*args)
   for i in (1, 2):  # Garbage (even NaN) past the length must not leak in.
     args[i] = args[i].at[:, 4:].set(jnp.nan)
