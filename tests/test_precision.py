@@ -1,5 +1,7 @@
 """The matmul policy: exact bf16 splits, dot forms, modes, and where they apply."""
 
+import argparse
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -87,6 +89,16 @@ def test_resolve_modes_names_dtypes_and_errors():
     precision.resolve("fp8")
   with pytest.raises(dj.ConfigError, match="floating"):
     precision.resolve(np.int32)
+
+
+def test_cli_flag_names_every_mode_and_auto_is_the_default():
+  parser = argparse.ArgumentParser()
+  precision.add_cli_flag(parser)
+  assert precision.resolve_flag(parser.parse_args([]).precision) is FAST
+  args = parser.parse_args(["--precision", "float32"])
+  assert precision.resolve_flag(args.precision) is FLOAT32
+  with pytest.raises(SystemExit):
+    parser.parse_args(["--precision", "fp8"])
 
 
 def _dtypes(params):

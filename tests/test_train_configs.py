@@ -69,10 +69,16 @@ def test_overrides_are_parsed_with_the_field_types():
     ("steps", "not key=value"),
     ("steps=0", "steps must be positive"),
     ("compute_dtype=float16", "compute_dtype must be"),
+    ("target.dtype=fp8", "target.dtype must be auto or one of"),
 ])
 def test_bad_overrides_are_clear_errors(override, message):
   with pytest.raises(ConfigError, match=message):
     configs.load_config("tiny", [override])
+
+
+def test_target_precision_modes_are_accepted():
+  for mode in ("auto", "fast", "fast-rows", "float32", "bfloat16"):
+    assert configs.load_config("tiny", [f"target.dtype={mode}"]).target.dtype == mode
 
 
 def test_json_config_file_with_base_preset(tmp_path):
