@@ -7,7 +7,6 @@ import os
 from typing import Any, Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 

@@ -137,7 +137,8 @@ class Attention(nnx.Module):
 class Block(nnx.Module):
   """Pre-norm decoder layer."""
 
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, precision: Precision | Any = jnp.float32):
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs,
+               precision: Precision | Any = jnp.float32):
     self.input_layernorm = layers.RMSNorm(config.hidden_size, config.rms_norm_eps,
                                           precision=precision)
     c = config
@@ -163,7 +164,8 @@ class Block(nnx.Module):
 class Transformer(nnx.Module):
   """A Llama-family or Qwen3 causal LM."""
 
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, precision: Precision | Any = jnp.float32):
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs,
+               precision: Precision | Any = jnp.float32):
     self.config = config
     self.precision = precision_lib.resolve(precision)
     self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size,
