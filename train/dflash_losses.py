@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dart_jax.draft.dflash import dflash_block_mask, target_lm_head
+from dart_jax.draft.dflash import dflash_block_mask
 from train import losses
 
 # DFlash's published gamma per block size; others get (B-1)/2.
@@ -151,7 +151,7 @@ def draft_base(drafter, target_model, taps: jax.Array, tokens: jax.Array,
   mask = training_mask(segment_ids, anchors, block)
   hidden = drafter.forward_masked(taps, embeds, positions, mask)
   hidden = hidden.reshape(batch, num_anchors, block, -1)[:, :, 1:]
-  return target_lm_head(target_model, hidden), hidden
+  return target_model.lm_head_logits(hidden), hidden  # no final norm: DFlash's own
 
 
 def teacher_forced_logits(drafter, embed_table: jax.Array, base_logits: jax.Array,

@@ -475,16 +475,6 @@ def dflash_block_mask(anchors: jax.Array, num_context: int, block_size: int) -> 
   return jnp.concatenate([sees_ctx, sees_block], axis=-1)
 
 
-def target_lm_head(target_model, hidden: jax.Array,
-                   precision: Precision | None = None) -> jax.Array:
-  """The target's LM head WITHOUT its final norm (DFlash normalises itself).
-
-  hidden [..., H] -> [..., V] float32; precision: the drafter's mode (default
-  the target's).
-  """
-  return target_model.lm_head_logits(hidden, precision)
-
-
 def draft_block(target_model, drafter: DFlashModule, root: jax.Array, cache: KVCache, *,
                 attend_len: int | None, attn_impl: str
                 ) -> tuple[jax.Array, jax.Array, KVCache]:
@@ -500,7 +490,9 @@ def draft_block(target_model, drafter: DFlashModule, root: jax.Array, cache: KVC
   hidden, cache = drafter.block(target_model.embed(block_ids), cache,
                                 attend_len=attend_len, attn_impl=attn_impl)
   hidden = hidden[:, 1:]
-  return target_lm_head(target_model, hidden, drafter.precision), hidden, cache
+  # The target's LM head without its final norm (DFlash normalises itself),
+  # in the drafter's mode.
+  return target_model.lm_head_logits(hidden, drafter.precision), hidden, cache
 
 
 # Released tensor name for each NNX state path of ``DFlashModule``.
