@@ -25,6 +25,7 @@ from dart_jax.generate import prefill
 from dart_jax.models import layers
 from dart_jax.models.target import Target
 from dart_jax.models.transformer import KVCache
+from dart_jax.ngram.context import ContextNGram, ContextNGramConfig
 from dart_jax.profiling import PhaseTimer, Wrap, no_wrap
 from dart_jax.sampling import KeySequence, SamplingConfig
 from dart_jax.tree import TreeConfig, dart_search
@@ -41,6 +42,8 @@ class DartState:
   draft_logits: [B, D+1, Vd] the head's drafts for the next round.
   draft_hidden: [B, D+1, H] the hidden ``lm_head`` read for them, kept only
     when the tree builder needs it (else None).
+  context: each sequence's ``ContextNGram`` of its committed tokens, when the
+    search uses one (else None).
   """
 
   cache: KVCache
@@ -48,6 +51,7 @@ class DartState:
   history: jax.Array
   draft_logits: jax.Array
   draft_hidden: jax.Array | None = None
+  context: ContextNGram | None = None
 
 
 class TreeBuilder(Protocol):
@@ -83,12 +87,14 @@ def context_window(history: jax.Array, root_pos: jax.Array, size: int
 
 
 def search_trees(draft_logits, history, root_pos, ngram, d2t, tree_config: TreeConfig,
-                 context_size: int):
-  """Batched DART tree search (spec section 4) -> a batched ``Tree``."""
+                 context_size: int, context: ContextNGram | None = None):
+  """Batched DART tree search (spec section 4) -> a batched ``Tree``; ``context``
+  (one row per sequence) adds the context N-gram to the search."""
   window, window_len = context_window(history, root_pos, context_size)
   search = functools.partial(dart_search, config=tree_config)
-  return jax.vmap(lambda lg, ctx, n: search(lg, ctx, ngram, d2t=d2t, context_len=n))(
-      draft_logits, window, window_len)
+  return jax.vmap(lambda lg, ctx, n, table: search(lg, ctx, ngram, d2t=d2t, context_len=n,
+                                                   context_ngram=table))(
+      draft_logits, window, window_len, context)
 
 
 def _draft(target_model, head, taps, next_tokens, num_real, draft_cache, advance,
@@ -104,12 +110,13 @@ def _draft(target_model, head, taps, next_tokens, num_real, draft_cache, advance
 
 @functools.partial(
     jax.jit, static_argnames=("target_graphdef", "head_graphdef", "sampling", "attn_impl",
-                              "with_hidden"),
+                              "with_hidden", "context_config"),
     donate_argnames=("cache", "draft_cache"))
 def dart_prefill(target_graphdef, target_params, head_graphdef, head_params, cache,
                  draft_cache, tokens, prompt_lens, key, *, sampling, attn_impl,
-                 with_hidden=False):
-  """Prefills target and head; returns (first tokens [B], DartState)."""
+                 with_hidden=False, context_config: ContextNGramConfig | None = None):
+  """Prefills target and head; returns (first tokens [B], DartState). With a
+  ``context_config`` the state's context N-gram counts the prompt and first token."""
   head = nnx.merge(head_graphdef, head_params)
   c = head.config
   first, cache, taps = prefill(target_graphdef, target_params, cache, tokens, prompt_lens,
@@ -129,7 +136,12 @@ def dart_prefill(target_graphdef, target_params, head_graphdef, head_params, cac
   history = jnp.zeros((batch, history_cap), jnp.int32)
   history = layers.write_rows(history, tokens, jnp.zeros((batch,), jnp.int32))
   history = layers.write_rows(history, first[:, None], prompt_lens)
-  return first, DartState(cache, draft_cache, history, draft_logits, draft_hidden)
+  context = None
+  if context_config is not None:
+    context = ContextNGram.empty(batch, history_cap, context_config).add(
+        history, jnp.ones((batch,), jnp.int32), prompt_lens, max_count=length)
+  return first, DartState(cache, draft_cache, history, draft_logits, draft_hidden,
+                          context)
 
 
 def verify_trees(target_graphdef, target_params, cache, tree, *, attend_len, taps,
@@ -141,15 +153,19 @@ def verify_trees(target_graphdef, target_params, cache, tree, *, attend_len, tap
                       attend_len=attend_len, taps=taps, attn_impl=attn_impl)
 
 
-def _accept(tree, out, history, active, key, *, sampling, max_depth):
-  """Acceptance, KV compaction and history update -> (acceptance, cache, history,
-  advance [B], taps of the accepted path [B, A, n*H])."""
+def _accept(tree, out, history, context, active, key, *, sampling, max_depth):
+  """Acceptance, KV compaction, history and context N-gram update ->
+  (acceptance, cache, history, context, advance [B], taps of the accepted path
+  [B, A, n*H])."""
   acc = accept_tree(tree.tokens, tree.parents, tree.depth, tree.num_nodes, out.logits,
                     key, sampling, max_depth=max_depth)
   advance = acc.num_new * active.astype(jnp.int32)
   history = layers.write_rows(history, acc.new_tokens, out.cache.lengths + 1)
+  if context is not None:
+    context = context.add(history, out.cache.lengths + 1, advance,
+                          max_count=acc.new_tokens.shape[1])
   cache = out.cache.compact(acc.path, advance)
-  return acc, cache, history, advance, layers.gather_rows(out.taps, acc.path)
+  return acc, cache, history, context, advance, layers.gather_rows(out.taps, acc.path)
 
 
 def _draft_next(target_graphdef, head_graphdef, target_params, head_params, acc, path_taps,
@@ -168,7 +184,7 @@ def _search(target_graphdef, head_graphdef, target_params, head_params, ngram, s
     return builder(nnx.merge(target_graphdef, target_params),
                    nnx.merge(head_graphdef, head_params), state)
   return search_trees(state.draft_logits, state.history, state.cache.lengths, ngram,
-                      head_params["d2t"][...], tree_config, context_size)
+                      head_params["d2t"][...], tree_config, context_size, state.context)
 
 
 def _round(target_graphdef, target_params, head_graphdef, head_params, ngram, state,
@@ -191,11 +207,11 @@ def _round(target_graphdef, target_params, head_graphdef, head_params, ngram, st
                             with_hidden=with_hidden)
   tree = wrap("search", search)(target_params, head_params, ngram, state)
   out = wrap("verify", verify)(target_params, state.cache, tree)
-  acc, cache, history, advance, path_taps = wrap("accept", accept)(
-      tree, out, state.history, active, key)
+  acc, cache, history, context, advance, path_taps = wrap("accept", accept)(
+      tree, out, state.history, state.context, active, key)
   draft_logits, draft_hidden, draft_cache = wrap("draft", draft)(
       target_params, head_params, acc, path_taps, state.draft_cache, advance)
-  return (DartState(cache, draft_cache, history, draft_logits, draft_hidden),
+  return (DartState(cache, draft_cache, history, draft_logits, draft_hidden, context),
           acc.new_tokens, acc.num_new)
 
 
@@ -209,9 +225,13 @@ dart_round = jax.jit(
 class DartDecoder:
   """``generate``'s decoder for ``draft=DartHead`` (and DART-GRU drafters).
 
-  builder: a ``TreeBuilder`` replacing DART's search (then ``ngram`` and
-  ``tree`` must be None); ``head`` may then be any drafter whose module runs
-  like a DART head (``levels`` / ``logits``; DART-GRU's).
+  builder: a ``TreeBuilder`` replacing DART's search (then ``ngram``, ``tree``
+  and ``context_ngram`` must be unset); ``head`` may then be any drafter whose
+  module runs like a DART head (``levels`` / ``logits``; DART-GRU's).
+  context_ngram: True / a ``ContextNGramConfig`` to mix each sequence's own
+    n-gram counts into the search's N-gram term (``dart_jax.ngram.context``),
+    False for the reference search; None = ``DEFAULT_CONTEXT_NGRAM``.
+  A ``"target"`` EOS in the tree config (the default) becomes the target's EOS.
   profile=True runs each round's phases (search, verify, accept, draft) as
   separately compiled calls and accumulates their seconds in ``phase_s``; the
   fused round is what normal decoding runs (slightly faster than the sum).
@@ -219,18 +239,24 @@ class DartDecoder:
 
   def __init__(self, target: Target, head: DartHead, *, sampling: SamplingConfig,
                seed: int = 0, ngram=None, tree: TreeConfig | None = None,
-               profile: bool = False, builder: TreeBuilder | None = None):
+               profile: bool = False, builder: TreeBuilder | None = None,
+               context_ngram: bool | ContextNGramConfig | None = None):
     head.check_target(target)
     self.target, self.head = target, head
     self.sampling = sampling
     self.builder = builder
-    if builder is not None and (ngram is not None or tree is not None):
-      raise InputError("this drafter builds its own trees: drop ngram=... and pass its "
-                       "tree options instead")
-    self.tree_config = None if builder is not None else (tree or TreeConfig())
+    if builder is not None and (ngram is not None or tree is not None
+                                or context_ngram):
+      raise InputError("this drafter builds its own trees: drop ngram=... / "
+                       "context_ngram=... and pass its tree options instead")
+    self.tree_config = None if builder is not None else (
+        (tree or TreeConfig()).with_target_eos(target_eos_id(target)))
+    self.context_config = (None if builder is not None
+                           else resolve_context_ngram(context_ngram))
     self.table = _as_table(ngram)
     order = getattr(self.table, "order", 2) if self.table is not None else 2
-    self.context_size = max(order - 1, 1)
+    context_width = self.context_config.width if self.context_config else 0
+    self.context_size = max(order - 1, context_width, 1)
     self.scratch_rows = (builder.num_nodes if builder is not None
                          else self.tree_config.remain_total) + 1
     self.with_hidden = builder is not None and builder.needs_hidden
@@ -253,7 +279,7 @@ class DartDecoder:
     first, state = dart_prefill(
         t.graphdef, t.params, h.graphdef, h.params, cache, draft_cache, tokens,
         prompt_lens, self.keys.next(), sampling=self.sampling, attn_impl=t.attn_impl,
-        with_hidden=self.with_hidden)
+        with_hidden=self.with_hidden, context_config=self.context_config)
     return state, first
 
   def step(self, state, active, attend_len):
@@ -267,6 +293,31 @@ class DartDecoder:
       return dart_round(*args, **static)
     wrap = self.timer.wrap(_round, t.graphdef, h.graphdef, *sorted(static.items()))
     return _round(*args, **static, wrap=wrap)
+
+
+DEFAULT_CONTEXT_NGRAM = ContextNGramConfig()
+
+
+def resolve_context_ngram(value: bool | ContextNGramConfig | None
+                          ) -> ContextNGramConfig | None:
+  """The context N-gram config a ``context_ngram=`` argument asks for."""
+  if value is None:
+    return DEFAULT_CONTEXT_NGRAM
+  if isinstance(value, ContextNGramConfig):
+    return value
+  if isinstance(value, bool):
+    return ContextNGramConfig() if value else None
+  raise InputError(f"context_ngram must be True, False or a ContextNGramConfig, got "
+                   f"{value!r}")
+
+
+def target_eos_id(target: Target) -> int | None:
+  """The EOS id the reference search ranks last: the tokenizer's (first) EOS, else
+  the model config's; None when the target has none."""
+  tokenizer = getattr(target, "tokenizer", None)
+  ids = tuple(getattr(tokenizer, "eos_token_ids", ()) or ()) or tuple(
+      target.config.eos_token_ids)
+  return int(ids[0]) if ids else None
 
 
 def _as_table(ngram):

@@ -115,7 +115,8 @@ from dart_jax.models import precision
 from dart_jax.generate import encode_prompts, stop_token_ids
 from dart_jax.tree.dartree import num_tree_nodes, resolve_method
 from infer import datasets
-from infer.bench_options import (DART_GRU_METHODS, DART_GRU_TREES, DARTREE_METHODS,
+from infer.bench_options import (DART_GRU_METHODS, DART_GRU_TREES, DART_METHODS,
+                                 DARTREE_METHODS,
                                  GREEDY_MISMATCH_EXIT, LOSSLESS_METHODS, METHODS,
                                  auto_dartree_budgets, build_parser, check_drafter_args,
                                  dartree_budget_arg, dartree_config, load_dart_args,
@@ -208,13 +209,15 @@ class JaxMethod:
   """
 
   def __init__(self, target, *, draft=None, ngram=None, tree=None, tree_config=None,
-               profile: bool = False):
+               context_ngram: bool | None = None, profile: bool = False):
     self.target = target
     self.kwargs: dict[str, Any] = {}
     if draft is not None:
       self.kwargs.update(draft=draft, ngram=ngram, tree=tree)
       if tree_config is not None:
         self.kwargs["tree_config"] = tree_config
+      if context_ngram is not None:
+        self.kwargs["context_ngram"] = context_ngram
       if profile:
         self.kwargs["profile"] = True
 
@@ -550,10 +553,12 @@ def run_benchmark(args, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
   for m, choice in choices.items():
     info = dart_gru_info if m in DART_GRU_METHODS else dartree_info
     info["methods"][m]["budget_choice"] = {"source": "auto", **choice.to_json()}
-  if "dart" in methods:
+  if any(m in DART_METHODS for m in methods):
     head, ngram = load_dart_args(args, target)
     tree, tree_info = tree_config_from_args(args, target, head, ngram, log)
-    speculative["dart"] = dict(draft=head, ngram=ngram, tree=tree)
+    context = {"dart": args.context_ngram != "off", "dart-no-context": False}
+    for m in (m for m in methods if m in DART_METHODS):
+      speculative[m] = dict(draft=head, ngram=ngram, tree=tree, context_ngram=context[m])
   runners: dict[str, Any] = {"ar": JaxMethod(target)}
   runners.update({m: JaxMethod(target, **options) for m, options in speculative.items()})
   profilers = ({m: JaxMethod(target, **options, profile=True)

@@ -28,9 +28,11 @@ DART_GRU_TREES = {"dart-gru": "dartree", "dart-gru-fixed": "dartree-fixed",
 DART_GRU_METHODS = tuple(DART_GRU_TREES)
 # ``generate`` tree names whose size is ``--dartree-budget`` (chains ignore it).
 BUDGET_TREES = ("ddtree", "dartree-fixed", "dartree")
-METHODS = ("ar", "dart") + DARTREE_METHODS + DART_GRU_METHODS + ("hf",)
+# DART with the context N-gram as ``--context-ngram`` says, and always without it.
+DART_METHODS = ("dart", "dart-no-context")
+METHODS = ("ar",) + DART_METHODS + DARTREE_METHODS + DART_GRU_METHODS + ("hf",)
 # Speculative methods whose greedy output must equal AR's token for token.
-LOSSLESS_METHODS = ("dart",) + DARTREE_METHODS + DART_GRU_METHODS
+LOSSLESS_METHODS = DART_METHODS + DARTREE_METHODS + DART_GRU_METHODS
 # Exit status of infer.bench when a lossless method's greedy output differs from AR's.
 GREEDY_MISMATCH_EXIT = 3
 
@@ -83,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="tree search top-k per level (default min(25, budget))")
   p.add_argument("--beam-width", type=int, default=None,
                  help="tree search beam width (default min(20, budget))")
+  add_context_ngram_flag(p)
   add_dartree_args(p)
   p.add_argument("--hf-threads", type=int, default=None,
                  help="torch threads for the hf method (default: the CPU count; on a "
@@ -93,6 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
   precision.add_cli_flag(p)
   return p
+
+
+def add_context_ngram_flag(p: argparse.ArgumentParser) -> None:
+  """``--context-ngram on|off`` (shared with ``infer.main``)."""
+  p.add_argument("--context-ngram", choices=("on", "off"), default=None,
+                 help="DART's tree search also uses each sequence's own n-grams "
+                      "(dart_jax.ngram.context; default on); the bench method "
+                      "dart-no-context always runs without them")
 
 
 def split_arg(value: str, allowed: Sequence[str] | None, what: str) -> list[str]:

@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--seed", type=int, default=0, help="random seed")
   p.add_argument("--tree-budget", type=int, default=None,
                  help="DART: draft nodes verified per round (remain_total)")
+  bench_options.add_context_ngram_flag(p)
   p.add_argument("--no-chat", action="store_true", help="use the prompt as raw text")
   p.add_argument("--stats", action="store_true", help="print statistics to stderr")
   precision.add_cli_flag(p)
@@ -59,7 +60,7 @@ def choose_method(args) -> str:
   """The method to run; raises InputError for options that do not fit it."""
   method = args.method
   if method is None:
-    if args.draft or args.ngram or args.tree_budget:
+    if args.draft or args.ngram or args.tree_budget or args.context_ngram:
       method = "dart"
     elif args.dart_gru:
       method = "dart-gru"
@@ -70,7 +71,8 @@ def choose_method(args) -> str:
     else:
       method = "ar"
   dart_flags = [f for f, v in (("--draft", args.draft), ("--ngram", args.ngram),
-                               ("--tree-budget", args.tree_budget)) if v]
+                               ("--tree-budget", args.tree_budget),
+                               ("--context-ngram", args.context_ngram)) if v]
   dartree_flags = bench_options.dartree_options_given(args)
   if method == "ar":
     if dart_flags or dartree_flags:
@@ -83,7 +85,8 @@ def choose_method(args) -> str:
                           "this model (the shipped head is for the embedded target)")
     if dartree_flags:
       raise dj.InputError(f"{', '.join(dartree_flags)} are DARTree options; --method "
-                          "dart takes --draft, --ngram and --tree-budget")
+                          "dart takes --draft, --ngram, --tree-budget and "
+                          "--context-ngram")
   elif dart_flags:
     raise dj.InputError(f"{', '.join(dart_flags)} are DART options; --method {method} "
                         "takes --domino / --dflash / --drafter random (DART-GRU: "
@@ -114,6 +117,7 @@ def main(argv=None) -> int:
       kwargs["draft"], kwargs["ngram"] = bench_options.load_dart_args(args, target)
       if args.tree_budget:
         kwargs["tree"] = dj.tree.TreeConfig(remain_total=args.tree_budget)
+      kwargs["context_ngram"] = args.context_ngram != "off"
     elif method in bench_options.DART_GRU_METHODS:
       kwargs.update(draft=bench_options.load_dart_gru_args(args, target, [method]),
                     tree=bench_options.DART_GRU_TREES[method], tree_config=tree_config)

@@ -162,7 +162,7 @@ def test_cli_end_to_end_on_a_tiny_checkpoint(tmp_path, monkeypatch, capsys):
 
   monkeypatch.setattr(bench, "load_hf_model", no_torch)
   out_json = tmp_path / "bench.json"
-  args = ["--method", "ar,dart,hf", "--dataset", "humaneval", "--limit", "1",
+  args = ["--method", "ar,dart,dart-no-context,hf", "--dataset", "humaneval", "--limit", "1",
           "--max-new-tokens", str(MAX_NEW_TOKENS), "--model", str(FIXTURES / "tiny_llama"),
           "--draft", "random", "--draft-length", str(DRAFT_LENGTH),
           "--tree-budget", str(TREE_BUDGET),
@@ -175,15 +175,17 @@ def test_cli_end_to_end_on_a_tiny_checkpoint(tmp_path, monkeypatch, capsys):
   result = json.loads(out_json.read_text())
   assert result["tree"] == {"source": "fixed", "budget": TREE_BUDGET, "topk": TREE_BUDGET,
                             "beam_width": TREE_BUDGET}
-  assert result["config"]["methods_run"] == ["ar", "dart"]
+  assert result["config"]["methods_run"] == ["ar", "dart", "dart-no-context"]
   assert result["greedy_mismatches"] == []
   (run,) = result["runs"]
   assert (run["dataset"], run["temperature"]) == ("humaneval", 0.0)
   row = run["prompts"][0]
-  assert row["id"] == "HumanEval/0" and row["methods"]["dart"]["matches_ar"] is True
-  for key in ("tokens_per_s", "tokens_per_s_median", "mean_accept_len",
-              "speedup_vs_ar", "speedup_vs_ar_median", "matches_ar"):
-    assert key in run["summary"]["dart"]
+  assert row["id"] == "HumanEval/0"
+  for method in ("dart", "dart-no-context"):
+    assert row["methods"][method]["matches_ar"] is True
+    for key in ("tokens_per_s", "tokens_per_s_median", "mean_accept_len",
+                "speedup_vs_ar", "speedup_vs_ar_median", "matches_ar"):
+      assert key in run["summary"][method]
   if "--plot" in args:
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

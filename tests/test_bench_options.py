@@ -21,7 +21,8 @@ def test_dartree_method_names_are_generates_tree_names():
   assert set(bench_options.DARTREE_METHODS) == set(TREE_METHODS)
   assert set(bench_options.DOMINO_METHODS) == set(CORRECTED_METHODS)
   assert set(bench_options.LOSSLESS_METHODS) == (
-      {"dart"} | set(TREE_METHODS) | {"dart-gru", "dart-gru-fixed", "dart-gru-chain"})
+      {"dart", "dart-no-context"} | set(TREE_METHODS)
+      | {"dart-gru", "dart-gru-fixed", "dart-gru-chain"})
   assert set(bench_options.METHODS) == {"ar", "hf"} | set(bench_options.LOSSLESS_METHODS)
   assert set(bench_options.DART_GRU_TREES.values()) <= set(TREE_METHODS) | {"chain"}
 
@@ -98,7 +99,7 @@ def test_drafter_for_another_target_is_rejected(tiny, drafter_dirs):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--method", "ar,beam"], "choose from ar, dart, dflash-chain, domino-chain, ddtree, "
+    (["--method", "ar,beam"], "choose from ar, dart, dart-no-context, dflash-chain, domino-chain, ddtree, "
                               "dartree-fixed, dartree, dart-gru, dart-gru-fixed, "
                               "dart-gru-chain, hf"),
     (["--method", "ar,dartree"], "dartree needs a Domino drafter"),

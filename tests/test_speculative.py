@@ -59,6 +59,10 @@ def test_greedy_equals_ar_batched_and_single(tiny):
     assert sp.tokens == ar[i // 4]
     extra_accepted += sp.stats.mean_accept_len - 1.0
   assert extra_accepted > 0  # some drafts were right, so acceptance paths ran
+  # The reference search (no context N-gram) is lossless too.
+  plain = dj.generate(target, prompts[:4], max_new_tokens=24, draft=head, ngram=ngram,
+                      tree=TREE, eos_token_ids=(), context_ngram=False)
+  assert plain.tokens == ar[0]
   if target.config.arch == "llama":  # batch 1 compiles anew: check it once per mode
     single = dj.generate(target, prompts[7], max_new_tokens=24, draft=head, ngram=ngram,
                          tree=TREE, eos_token_ids=())
@@ -79,6 +83,27 @@ def test_eos_and_max_new_tokens_stop_at_the_same_place(tiny):
   for n in (1, 2, 7):
     assert dj.generate(target, prompts, max_new_tokens=n, draft=head, tree=TREE,
                        eos_token_ids=()).tokens == [f[:n] for f in free]
+
+
+def test_generate_ranks_the_target_eos_last_unless_told_otherwise(smollm2):
+  """``generate``'s DART decoder applies the reference's EOS rule with the target's
+  EOS (the tokenizer's), unless the tree config names an id or None."""
+  from dart_jax.generate import make_decoder
+
+  head = dj.load_dart(target=smollm2)
+  eos = smollm2.tokenizer.eos_token_ids[0]
+  assert eos == smollm2.tokenizer.token_to_id("<|im_end|>")
+
+  def decoder_eos(**kwargs):
+    return make_decoder(smollm2, SamplingConfig(), 0, head, **kwargs).tree_config.eos_id
+
+  assert head.tree.eos_id == "target"
+  assert decoder_eos() == eos
+  assert decoder_eos(tree=TreeConfig(remain_total=8)) == eos
+  assert decoder_eos(tree=TreeConfig(eos_id=None)) is None
+  assert decoder_eos(tree=TreeConfig(eos_id=7)) == 7
+  with pytest.raises(dj.ConfigError, match="eos_id"):
+    TreeConfig(eos_id="eos")
 
 
 def _oracle_logits(continuations, root_pos, draft_length, d2t, vocab):

@@ -90,7 +90,7 @@ def test_config_defaults_hashable_and_equal():
   assert a.level_weight(0) == 1.0 and a.level_weight(3) == pytest.approx(
       4 ** -0.7)
   assert a.logit_weight(2) == pytest.approx(0.81)
-  assert a.eos_id is None and a.eps == 1e-10
+  assert a.eos_id == "target" and a.search_eos_id is None and a.eps == 1e-10
   assert a.beam_sizes(8) == (1, 20, 20, 20, 20, 20, 20, 20)
   assert a.num_scored(8) == 25 + 7 * 20 * 25
   assert TreeConfig(topk=2, beam_width=3).beam_sizes(4) == (1, 2, 3, 3)

@@ -7,6 +7,8 @@ import jax
 
 from dart_jax.errors import ConfigError
 
+TARGET_EOS = "target"  # TreeConfig.eos_id: the EOS of the target being decoded
+
 
 def default_level_weight(level: int) -> float:
   """Weight of level `level`'s increment: (level + 1) ** -0.7."""
@@ -37,7 +39,11 @@ class TreeConfig:
     level_weight: level -> weight of the whole increment.
     logit_weight: level -> weight of the draft log-probability.
     eos_id: target token id of EOS; children ending in it are ranked after
-      all others when the beam is cut. None = no EOS rule.
+      all others when the beam is cut (the reference's rule). ``"target"``
+      (the default): the decoder uses its target's EOS (the tokenizer's first
+      EOS id, as the reference does), so ``generate`` applies the rule unless
+      the caller sets an id or None (no EOS rule). ``dart_search`` alone has no
+      target: there ``"target"`` means no rule.
     eps: added to probabilities before the log.
   """
   topk: int = 25
@@ -46,7 +52,7 @@ class TreeConfig:
   ngram_weight: float = 0.5
   level_weight: Callable[[int], float] = default_level_weight
   logit_weight: Callable[[int], float] = default_logit_weight
-  eos_id: int | None = None
+  eos_id: int | str | None = TARGET_EOS
   eps: float = 1e-10
 
   def __post_init__(self):
@@ -58,12 +64,24 @@ class TreeConfig:
     if not callable(self.level_weight) or not callable(self.logit_weight):
       raise ConfigError("TreeConfig.level_weight and logit_weight must be "
                         "callables level -> float.")
-    if self.eos_id is not None and (not isinstance(self.eos_id, int)
-                                    or self.eos_id < 0):
-      raise ConfigError(f"TreeConfig.eos_id must be None or a token id >= 0, "
-                        f"got {self.eos_id!r}.")
+    if self.eos_id not in (None, TARGET_EOS) and (
+        not isinstance(self.eos_id, int) or isinstance(self.eos_id, bool)
+        or self.eos_id < 0):
+      raise ConfigError(f"TreeConfig.eos_id must be a token id >= 0, None (no EOS "
+                        f"rule) or {TARGET_EOS!r}, got {self.eos_id!r}.")
     if not self.eps > 0:
       raise ConfigError(f"TreeConfig.eps must be > 0, got {self.eps!r}.")
+
+  @property
+  def search_eos_id(self) -> int | None:
+    """The EOS id the search ranks last: None when unset or still ``"target"``."""
+    return self.eos_id if isinstance(self.eos_id, int) else None
+
+  def with_target_eos(self, eos_id: int | None) -> "TreeConfig":
+    """This config with a ``"target"`` EOS replaced by ``eos_id``."""
+    if self.eos_id != TARGET_EOS:
+      return self
+    return dataclasses.replace(self, eos_id=eos_id)
 
   def beam_sizes(self, num_levels: int) -> tuple[int, ...]:
     """Beam members expanded at each level (1 at level 0)."""

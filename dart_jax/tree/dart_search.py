@@ -35,6 +35,7 @@ import numpy as np
 from jax import lax
 
 from dart_jax.errors import ConfigError, InputError
+from dart_jax.ngram.context import ContextNGram
 from dart_jax.ngram.table import NGramTable
 from dart_jax.tree.config import TreeConfig
 from dart_jax.tree.structure import Tree, build_tree
@@ -108,7 +109,8 @@ def _beam_cut(scores: jax.Array, tokens: jax.Array, width: int,
 def search_candidates(tokens: jax.Array, log_probs: jax.Array,
                       context: jax.Array, ngram: NGramTable | None,
                       config: TreeConfig,
-                      context_len: jax.Array | None = None) -> Tree:
+                      context_len: jax.Array | None = None,
+                      context_ngram: ContextNGram | None = None) -> Tree:
   """The beam search of `dart_search`, from `level_candidates` outputs.
 
   Args:
@@ -118,6 +120,10 @@ def search_candidates(tokens: jax.Array, log_probs: jax.Array,
     ngram: device table or None (no N-gram term).
     config: search config (static).
     context_len: int32 [] real trailing entries of `context` (None = all).
+    context_ngram: this sequence's `ContextNGram` row, or None. Its estimate is
+      mixed into the N-gram probability (`ContextNGram.mix`) wherever the N-gram
+      term is used (levels >= 1, ngram_weight > 0); None leaves the search exactly
+      the reference's.
   """
   num_levels, k = tokens.shape
   c = context.shape[0]
@@ -131,6 +137,14 @@ def search_candidates(tokens: jax.Array, log_probs: jax.Array,
   use_table = ngram is not None and config.ngram_weight > 0
   constant_ngram_term = ngram is not None and config.ngram_weight < 0
   width = ngram.order - 1 if use_table else 0
+  use_context = context_ngram is not None and config.ngram_weight > 0
+  context_width = context_ngram.config.width if use_context else 0
+  if context_width > c:
+    raise InputError(f"the context N-gram reads {context_width} tokens but the search "
+                     f"gets a context of {c}")
+  inject = use_context and context_ngram.config.inject
+  draft_weight = np.float32(context_ngram.config.draft_weight if use_context else 0)
+  children = k + 1 if inject else k  # children per beam member
 
   # Each beam member carries the N-gram nodes of the suffixes of
   # context ++ path (lengths 1..order-1), so a level costs one hashed lookup
@@ -144,33 +158,66 @@ def search_candidates(tokens: jax.Array, log_probs: jax.Array,
                                     jnp.minimum(real_len, width)[None])
   else:
     beam_nodes = jnp.zeros((1, 0), jnp.int32)
+  # Each member also carries its last `context_width` tokens for the context table.
+  first = c - context_width
+  beam_context = (context[first:][None], (jnp.arange(first, c) >= c - real_len)[None])
   state = (jnp.zeros((1,), jnp.float32), jnp.full((1,), -1, jnp.int32),
-           beam_nodes)
+           beam_nodes, beam_context)
 
   def expand(state, level_tokens, level_log_probs, level_weight, logit_weight,
              offset, with_ngram: bool, cut: bool):
     """Scores the children of one level and cuts the next beam."""
-    beam_score, beam_record, beam_nodes = state
+    beam_score, beam_record, beam_nodes, beam_context = state
     size = beam_score.shape[0]
-    inner = (level_log_probs * logit_weight)[None, :]  # [1, k]
+    # Candidates: the level's top-k, shared by all members ([k]); with the context
+    # table, per member ([size, children]), plus its copy prediction when injecting.
+    candidates, draft_log_probs, fresh = level_tokens, level_log_probs[None, :], None
+    if use_context:
+      candidates = jnp.broadcast_to(level_tokens, (size, k))
+      draft_log_probs = jnp.broadcast_to(level_log_probs, (size, k))
+      if inject:
+        copy = context_ngram.predict(*beam_context)  # [size]
+        fresh = (copy >= 0) & ~jnp.any(candidates == copy[:, None], axis=1)
+        candidates = jnp.concatenate(
+            [candidates, jnp.where(fresh, copy, level_tokens[0])[:, None]], axis=1)
+        # Outside the top-k the reference's draft probability is 0.
+        draft_log_probs = jnp.concatenate(
+            [draft_log_probs, jnp.full((size, 1), jnp.log(eps))], axis=1)
     next_nodes = None
+    p_ngram = p_context = matched = None
     if use_table and (with_ngram or cut):
-      p_ngram, _, next_nodes = ngram.step(beam_nodes, level_tokens)
-      if with_ngram:
-        inner = inner + jnp.log(p_ngram + eps) * ngram_weight
+      p_ngram, _, next_nodes = ngram.step(beam_nodes, candidates)
+    if use_context and (with_ngram or draft_weight > 0):
+      p_context, matched = context_ngram.probability(*beam_context, candidates)
+    if draft_weight > 0:
+      p_draft = jnp.maximum(jnp.exp(draft_log_probs) - eps, 0.0)
+      draft_log_probs = jnp.log(jnp.maximum(
+          p_draft, draft_weight * jnp.where(matched > 0, p_context, 0.0)) + eps)
+    inner = draft_log_probs * logit_weight  # [1 or size, children]
+    if use_context and with_ngram:
+      p_ngram = context_ngram.mix(0.0 if p_ngram is None else p_ngram, p_context,
+                                  matched)
+    if p_ngram is not None and with_ngram:
+      inner = inner + jnp.log(p_ngram + eps) * ngram_weight
     elif constant_ngram_term and with_ngram:
       inner = inner + jnp.log(eps) * ngram_weight
-    child_scores = (beam_score[:, None] + level_weight * inner).reshape(-1)
-    child_tokens = jnp.tile(level_tokens, size)
-    records = (child_tokens, jnp.repeat(beam_record, k), child_scores)
+    child_scores = beam_score[:, None] + level_weight * inner
+    if inject:  # A copy prediction already in the top-k (or none) is no child.
+      child_scores = child_scores.at[:, k].set(
+          jnp.where(fresh, child_scores[:, k], -jnp.inf))
+    child_scores = child_scores.reshape(-1)
+    child_tokens = (candidates.reshape(-1) if use_context
+                    else jnp.tile(level_tokens, size))
+    records = (child_tokens, jnp.repeat(beam_record, children), child_scores)
     if not cut:
       return state, records
+    # The beam never outgrows the real (top-k) children, so it never holds a void one.
     keep = _beam_cut(child_scores, child_tokens,
-                     min(config.beam_width, size * k), config.eos_id)
-    beam_nodes = (next_nodes.reshape(size * k, width)[keep] if use_table
+                     min(config.beam_width, size * k), config.search_eos_id)
+    beam_nodes = (next_nodes.reshape(size * children, width)[keep] if use_table
                   else jnp.zeros((keep.shape[0], 0), jnp.int32))
-    return (child_scores[keep], (offset + keep).astype(jnp.int32),
-            beam_nodes), records
+    return (child_scores[keep], (offset + keep).astype(jnp.int32), beam_nodes,
+            _extend_context(beam_context, child_tokens, keep)), records
 
   # Levels with the final beam size run as one lax.scan (one compiled body,
   # whatever the depth); the first, smaller levels are unrolled.
@@ -183,7 +230,7 @@ def search_candidates(tokens: jax.Array, log_probs: jax.Array,
                            np.float32)
   logit_weights = np.array([config.logit_weight(l) for l in range(num_levels)],
                            np.float32)
-  offsets = np.concatenate([[0], np.cumsum(np.array(sizes) * k)]).astype(
+  offsets = np.concatenate([[0], np.cumsum(np.array(sizes) * children)]).astype(
       np.int32)
   record_parts = []
   for level in range(first_scanned):
@@ -206,9 +253,11 @@ def search_candidates(tokens: jax.Array, log_probs: jax.Array,
   all_parents = jnp.concatenate([r[1] for r in record_parts])
   all_scores = jnp.concatenate([r[2] for r in record_parts])
   all_levels = jnp.asarray(
-      np.repeat(np.arange(num_levels, dtype=np.int32), np.array(sizes) * k))
+      np.repeat(np.arange(num_levels, dtype=np.int32), np.array(sizes) * children))
   total = all_scores.shape[0]
-  keep_count = min(config.remain_total, total)
+  # As many nodes as the reference keeps: that many finite-scored records exist,
+  # so a void injected child (-inf) is never kept.
+  keep_count = config.num_tree_nodes(num_levels)
   _, ranked = lax.top_k(all_scores, keep_count)  # Ties: lower record first.
   # BFS order: by level, then by rank.
   bfs = ranked[jnp.argsort(all_levels[ranked] * keep_count
@@ -231,6 +280,18 @@ def search_candidates(tokens: jax.Array, log_probs: jax.Array,
                                  jnp.full((pad,), -jnp.inf, jnp.float32)])
   return build_tree(node_tokens, node_parents, node_depth, node_scores,
                     jnp.int32(keep_count), max_depth=num_levels)
+
+
+def _extend_context(beam_context, child_tokens, keep):
+  """The last tokens of the kept children's contexts: the parent's, shifted, plus
+  the child's token. beam_context: ([M, W] tokens, [M, W] valid); child_tokens:
+  [M * children]; keep: [M'] flat child indices (member * children + candidate)."""
+  tokens, valid = beam_context
+  if tokens.shape[1] == 0:
+    return (tokens[:1].repeat(keep.shape[0], 0), valid[:1].repeat(keep.shape[0], 0))
+  parent = keep // (child_tokens.shape[0] // tokens.shape[0])
+  return (jnp.concatenate([tokens[parent, 1:], child_tokens[keep][:, None]], 1),
+          jnp.concatenate([valid[parent, 1:], jnp.ones((keep.shape[0], 1), bool)], 1))
 
 
 def _check_inputs(logits, context, ngram, config, d2t, context_len):
@@ -263,7 +324,8 @@ def _check_inputs(logits, context, ngram, config, d2t, context_len):
 def dart_search(logits: jax.Array, context: jax.Array,
                 ngram: NGramTable | None, config: TreeConfig,
                 d2t: jax.Array | None = None,
-                context_len: jax.Array | None = None) -> Tree:
+                context_len: jax.Array | None = None,
+                context_ngram: ContextNGram | None = None) -> Tree:
   """Builds the DART draft tree for one round (jittable, vmappable).
 
   Args:
@@ -276,6 +338,8 @@ def dart_search(logits: jax.Array, context: jax.Array,
       identity.
     context_len: int32 [] how many trailing entries of `context` are real
       (the front is padding); None = all. Clipped to [1, C].
+    context_ngram: the sequence's own `ContextNGram` (one row), mixed into the
+      N-gram term; None = the reference search. Needs C >= its max_order - 1.
 
   Returns:
     `Tree` with N = config.remain_total and D+2 path columns; see
@@ -284,4 +348,4 @@ def dart_search(logits: jax.Array, context: jax.Array,
   _check_inputs(logits, context, ngram, config, d2t, context_len)
   tokens, log_probs = level_candidates(logits, config, d2t)
   return search_candidates(tokens, log_probs, context, ngram, config,
-                           context_len)
+                           context_len, context_ngram)

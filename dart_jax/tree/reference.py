@@ -79,7 +79,7 @@ def reference_search_candidates(tokens: np.ndarray, log_probs: np.ndarray,
   num_levels, k = tokens.shape
   eps = np.float32(config.eps)
   ngram_weight = np.float32(config.ngram_weight)
-  eos = config.eos_id
+  eos = config.search_eos_id
   beam = [((), np.float32(0.0))]
   records = []  # (path, score, level, record index)
   margins = []
