@@ -347,7 +347,10 @@ def generate(target: Target, prompt, *, max_new_tokens: int = 128,
       ``max_position_embeddings``.
     eos_token_ids: stop tokens; default the model's and tokenizer's EOS ids; ``()``
       never stops early.
-    **method_kwargs: options of the draft method (e.g. ``tree=TreeConfig(...)``).
+    **method_kwargs: options of the draft method, e.g. for DART
+      ``tree=TreeConfig(...)`` and ``context_ngram=True|False|ContextNGramConfig``
+      (default on: the search also uses the sequence's own n-grams, see
+      ``dart_jax.ngram.context``; False = the reference search).
   Returns:
     ``GenerateOutput`` with ``.tokens``, ``.text`` and ``.stats``.
   """

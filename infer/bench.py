@@ -359,12 +359,16 @@ def dataset_items(name: str, limit: int | None,
   elif name == "humaneval":
     for p in datasets.load_humaneval(limit):
       yield BenchItem(name, p.task_id, datasets.humaneval_messages(p), 1)
+  elif name == "rewrite":
+    for item_id, messages in datasets.rewrite_messages(limit):
+      yield BenchItem(name, item_id, messages, 1)
   else:
     raise InputError(f"unknown dataset {name!r}; choose from {datasets.DATASETS}")
 
 
 def num_items(name: str, limit: int | None) -> int:
-  size = {"mt_bench": datasets.MT_BENCH_SIZE, "humaneval": datasets.HUMANEVAL_SIZE}[name]
+  size = {"mt_bench": datasets.MT_BENCH_SIZE, "humaneval": datasets.HUMANEVAL_SIZE,
+          "rewrite": datasets.REWRITE_SIZE}[name]
   size = min(size, limit) if limit is not None else size
   return 2 * size if name == "mt_bench" else size
 

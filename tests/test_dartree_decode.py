@@ -27,7 +27,8 @@ from dart_jax.tree import DARTreeConfig
 from tests.test_dflash import shape_only_target
 from tests.test_speculative import PRECISIONS, SMOLLM2_PROMPTS, TARGETS, _chi_square_p
 
-TARGETS_2L = {arch: dataclasses.replace(config, num_layers=2)
+TARGETS_2L = {arch: dataclasses.replace(config, num_layers=2, sparse_layers=tuple(
+                  i for i in config.sparse_layers if i < 2))
               for arch, config in TARGETS.items()}
 TREE = DARTreeConfig(topk=4, supertree_width=3, budget=8)
 # "chain" on the Domino drafter is the Domino chain.

@@ -15,12 +15,17 @@ from dart_jax.models import causal_mask
 from dart_jax.models.config import rope_inv_freq
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
-MODELS = ("tiny_llama", "tiny_qwen3")
+MODELS = ("tiny_llama", "tiny_qwen3", "tiny_qwen3_moe", "tiny_mixtral")
 
 
 @pytest.fixture(scope="module")
 def reference():
-  return np.load(FIXTURES / "hf_parity.npz")
+  """Every fixture array: dense models in hf_parity.npz, MoE ones in hf_parity_moe.npz."""
+  arrays = {}
+  for name in ("hf_parity.npz", "hf_parity_moe.npz"):
+    with np.load(FIXTURES / name) as f:
+      arrays.update({k: f[k] for k in f.files})
+  return arrays
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -74,6 +79,15 @@ def test_config_forms(model):
   if name == "tiny_llama":
     assert "rope_scaling" in raw and target.config.rope_scaling is not None
     assert not target.config.tie_embeddings
+  elif name == "tiny_qwen3_moe":
+    c = target.config
+    assert "rope_parameters" in raw and "num_experts" in raw and c.qk_norm
+    assert (c.num_experts, c.num_experts_per_tok, c.norm_topk_prob) == (8, 2, True)
+    assert c.sparse_layers == (0, 2)  # layer 1 is in mlp_only_layers
+  elif name == "tiny_mixtral":
+    c = target.config
+    assert "rope_theta" in raw and "num_local_experts" in raw and not c.qk_norm
+    assert (c.num_experts, c.num_experts_per_tok, c.sparse_layers) == (4, 2, (0, 1))
   else:
     assert "rope_parameters" in raw and target.config.rope_theta == 1e6
     assert target.config.tie_embeddings and target.config.qk_norm

@@ -1,5 +1,6 @@
 """DART speculative decoding is lossless, and its acceptance accounting is right."""
 
+import dataclasses
 import itertools
 
 import jax
@@ -22,6 +23,13 @@ TARGETS = {
     "qwen3": ModelConfig(arch="qwen3", vocab_size=97, hidden_size=32, intermediate_size=48,
                          num_layers=5, num_heads=4, num_kv_heads=1, head_dim=16,
                          qk_norm=True, tie_embeddings=True, max_position_embeddings=256),
+    # 8 experts, top-2, sparse layers 0 and 2 around a dense one.
+    "qwen3_moe": ModelConfig(arch="qwen3_moe", vocab_size=97, hidden_size=32,
+                             intermediate_size=48, num_layers=3, num_heads=4,
+                             num_kv_heads=2, head_dim=8, qk_norm=True,
+                             max_position_embeddings=256, num_experts=8,
+                             num_experts_per_tok=2, moe_intermediate_size=16,
+                             sparse_layers=(0, 2)),
 }
 TREE = TreeConfig(topk=6, beam_width=4, remain_total=14)
 # Every lossless test runs in both modes: the CPU default (bf16 weights, exact
@@ -188,6 +196,11 @@ def _chi_square_p(counts, probs):
   return stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue
 
 
+SAMPLING_TARGET = ModelConfig(arch="llama", vocab_size=6, hidden_size=16,
+                              intermediate_size=32, num_layers=2, num_heads=2,
+                              num_kv_heads=1, head_dim=8)
+
+
 @pytest.mark.parametrize("mode", PRECISIONS)
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
 def test_sampling_matches_target_distribution(temperature, top_p, mode):
@@ -196,9 +209,19 @@ def test_sampling_matches_target_distribution(temperature, top_p, mode):
   20000 samples per method; the same statistics reject a 2% bias (checked below on
   a deliberately biased distribution), so a biased acceptance rule would fail.
   """
-  vocab = 6
-  config = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=16, intermediate_size=32,
-                       num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8)
+  check_sampling(SAMPLING_TARGET, temperature, top_p, mode)
+
+
+def test_sampling_matches_an_moe_target_distribution():
+  """The same check on a mixture-of-experts target (4 experts, top-2, one dense layer)."""
+  config = dataclasses.replace(SAMPLING_TARGET, arch="qwen3_moe", num_layers=3,
+                               qk_norm=True, num_experts=4, num_experts_per_tok=2,
+                               moe_intermediate_size=16, sparse_layers=(0, 2))
+  check_sampling(config, 1.0, 1.0, "fast")
+
+
+def check_sampling(config: ModelConfig, temperature: float, top_p: float, mode: str):
+  vocab = config.vocab_size
   target = Target.init(config, seed=7, dtype=mode)
   # Sharpen the random target so that the drafts matter and top-p cuts something.
   target = target.with_params(jax.tree.map(lambda x: x * 3.0 if x.ndim == 2 else x,

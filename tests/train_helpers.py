@@ -16,9 +16,11 @@ OVERRIDES = [f"steps={STEPS}", "optim.warmup_steps=5", "checkpoint_every=20",
              "eval_every=60", "log_every=10", "progress=false"]
 
 
-def run_preset(preset: str, workdir: str) -> str:
-  """An uninterrupted ``STEPS``-step run of ``preset`` through the CLI entry point."""
-  assert train_main.main(["--config", preset, "--workdir", workdir] + OVERRIDES) == 0
+def run_preset(preset: str, workdir: str, extra: list[str] = ()) -> str:
+  """An uninterrupted ``STEPS``-step run of ``preset`` through the CLI entry point
+  (``extra`` overrides come after the shared ones)."""
+  assert train_main.main(["--config", preset, "--workdir", workdir] + OVERRIDES
+                         + list(extra)) == 0
   return workdir
 
 

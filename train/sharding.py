@@ -26,8 +26,14 @@ BATCH_AXES = ("data", "fsdp")
 
 # (regex on the "/"-joined parameter path, partition of each dimension). Linear
 # kernels are [in, out], dense weights (the fast modes' layout) [out, in]; the
-# embedding is [V, H].
+# embedding is [V, H]. MoE experts are stacked [E, ...] (experts replicated; each
+# expert's matrix split as a dense one) and come first, as the dense rules would
+# also match their paths.
 PARAM_RULES: tuple[tuple[str, tuple], ...] = (
+    (r".*experts/(gate_proj|up_proj)/kernel", (None, "fsdp", "tensor")),
+    (r".*experts/down_proj/kernel", (None, "tensor", "fsdp")),
+    (r".*experts/(gate_proj|up_proj)/weight", (None, "tensor", "fsdp")),
+    (r".*experts/down_proj/weight", (None, "fsdp", "tensor")),
     (r"(.*/)?embed_tokens/embedding", ("tensor", "fsdp")),
     (r".*(q_proj|k_proj|v_proj|gate_proj|up_proj)/kernel", ("fsdp", "tensor")),
     (r".*(o_proj|down_proj)/kernel", ("tensor", "fsdp")),

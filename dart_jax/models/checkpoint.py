@@ -2,8 +2,9 @@
 
 Checkpoints name tensors the PyTorch way (``model.layers.0.mlp.up_proj.weight``)
 and store linear weights as [out, in]; NNX kernels are [in, out]. Every leaf
-whose NNX name ends in ``kernel`` is transposed on the way in and out; a dense
-``weight`` leaf (the fast modes' layout, ``layers.Dense``) is [out, in] already.
+whose NNX name ends in ``kernel`` has its last two axes swapped on the way in and
+out (stacked expert kernels are [E, in, out]); a ``weight`` leaf (the fast modes'
+layout, ``layers.Dense``) is [..., out, in] already.
 """
 
 import re
@@ -37,6 +38,11 @@ def _is_kernel(path: str) -> bool:
   return path.rsplit("/", 1)[-1].endswith("kernel")
 
 
+def _flip(array: np.ndarray) -> np.ndarray:
+  """[..., a, b] -> [..., b, a] (a plain transpose for matrices)."""
+  return np.swapaxes(array, -1, -2) if array.ndim >= 2 else array
+
+
 def state_from_tensors(make_module: Callable[[], nnx.Module],
                        tensors: Mapping[str, np.ndarray], name_of: Callable[[str], str],
                        *, source: str, what: str):
@@ -56,10 +62,12 @@ def state_from_tensors(make_module: Callable[[], nnx.Module],
       continue
     array = np.asarray(tensors[name])
     if _is_kernel(key):
-      array = array.T
+      array = _flip(array)
     if array.shape != tuple(var.shape):
-      shown = array.shape[::-1] if _is_kernel(key) else array.shape
-      want = tuple(var.shape)[::-1] if _is_kernel(key) else tuple(var.shape)
+      shown = _flip(array).shape if _is_kernel(key) else array.shape
+      want = tuple(var.shape)
+      if _is_kernel(key):
+        want = want[:-2] + want[-2:][::-1]
       raise CheckpointError(f"{source}: tensor {name} has shape {shown}, but the config "
                             f"expects {want}; config.json and the weights disagree")
     leaves.append((path, var.replace(jnp.asarray(array, dtype=var.dtype))))
@@ -75,5 +83,5 @@ def tensors_from_state(state, name_of: Callable[[str], str]) -> dict[str, np.nda
   for path, var in nnx.to_flat_state(state):
     key = state_path(path)
     array = np.asarray(var[...])
-    out[name_of(key)] = np.ascontiguousarray(array.T if _is_kernel(key) else array)
+    out[name_of(key)] = np.ascontiguousarray(_flip(array) if _is_kernel(key) else array)
   return out

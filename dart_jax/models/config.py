@@ -8,7 +8,7 @@ import numpy as np
 
 from dart_jax.errors import ConfigError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "qwen3_moe", "mixtral")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +23,14 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Decoder-only transformer (Llama family, Qwen3)."""
+  """Decoder-only transformer (Llama family, Qwen3, and their MoE variants).
+
+  Mixture of experts (Qwen3-MoE, Mixtral): the layers in ``sparse_layers`` replace
+  their MLP by ``num_experts`` SwiGLU experts of ``moe_intermediate_size``, of which
+  a softmax router picks ``num_experts_per_tok`` per token (weights renormalised
+  over the chosen ones when ``norm_topk_prob``); other layers keep the dense MLP of
+  ``intermediate_size``. ``num_experts=0`` is a dense model.
+  """
 
   arch: str
   vocab_size: int
@@ -42,6 +49,11 @@ class ModelConfig:
   max_position_embeddings: int = 4096
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0
+  norm_topk_prob: bool = True
+  sparse_layers: tuple[int, ...] = ()
 
   def __post_init__(self):
     if self.arch not in SUPPORTED_ARCHITECTURES:
@@ -50,6 +62,21 @@ class ModelConfig:
     if self.num_heads % self.num_kv_heads:
       raise ConfigError(f"num_heads={self.num_heads} is not a multiple of "
                         f"num_kv_heads={self.num_kv_heads}")
+    if self.num_experts or self.sparse_layers:
+      if not 1 <= self.num_experts_per_tok <= self.num_experts:
+        raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
+                          f"[1, num_experts={self.num_experts}]")
+      if self.moe_intermediate_size < 1:
+        raise ConfigError(f"moe_intermediate_size must be >= 1, got "
+                          f"{self.moe_intermediate_size}")
+      bad = [i for i in self.sparse_layers if not 0 <= i < self.num_layers]
+      if bad or not self.num_experts:
+        raise ConfigError(f"sparse_layers {list(self.sparse_layers)} must name layers "
+                          f"of [0, {self.num_layers}) of a model with experts")
+
+  def is_sparse(self, layer: int) -> bool:
+    """Whether layer ``layer``'s MLP is the mixture of experts."""
+    return layer in self.sparse_layers
 
   @property
   def dart_tap_layers(self) -> tuple[int, int, int]:
@@ -62,8 +89,17 @@ _ARCH_BY_HF_NAME = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
-_ARCH_BY_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3"}
+_ARCH_BY_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3",
+                       "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
+# Router options of other MoE families, with the value that means "as Qwen3-MoE /
+# Mixtral route"; any other value is an architecture we do not implement.
+_ROUTER_DEFAULTS = {"scoring_func": "softmax", "topk_method": "greedy",
+                    "routed_scaling_factor": 1.0, "n_shared_experts": 0,
+                    "shared_expert_intermediate_size": 0, "n_group": 1, "topk_group": 1,
+                    "moe_layer_freq": 1, "first_k_dense_replace": 0}
 
 
 def rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
@@ -122,14 +158,55 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         rope_theta=theta,
         rope_scaling=scaling,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
         attention_bias=bool(hf.get("attention_bias", False)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids,
+        **_moe_fields(arch, hf),
     )
   except KeyError as e:
     raise ConfigError(f"config.json is missing required key {e.args[0]!r}") from e
+
+
+def _moe_fields(arch: str, hf: Mapping[str, Any]) -> dict[str, Any]:
+  """The MoE fields of ``ModelConfig`` from a Qwen3-MoE or Mixtral config.
+
+  Qwen3-MoE: layer i is sparse unless it is in ``mlp_only_layers`` or
+  ``(i + 1) % decoder_sparse_step != 0``; ``norm_topk_prob`` as configured.
+  Mixtral: every layer is sparse, experts of ``intermediate_size``, weights always
+  renormalised. Both accept ``num_experts`` or ``num_local_experts``.
+  """
+  if arch not in ("qwen3_moe", "mixtral"):
+    return {}
+  for key, neutral in _ROUTER_DEFAULTS.items():
+    value = hf.get(key)
+    if value is not None and value != neutral:
+      raise ConfigError(f"unsupported MoE router option {key}={value!r} (supported: "
+                        f"{key}={neutral!r}, as Qwen3-MoE and Mixtral route)")
+  num_experts = hf.get("num_experts", hf.get("num_local_experts"))
+  if num_experts is None:
+    raise ConfigError("MoE config.json names no experts (num_experts / "
+                      "num_local_experts)")
+  num_layers = int(hf["num_hidden_layers"])
+  norm = hf.get("norm_topk_prob", arch == "mixtral")
+  if not isinstance(norm, bool):
+    raise ConfigError(f"norm_topk_prob must be true or false, got {norm!r}")
+  if arch == "mixtral":
+    return dict(num_experts=int(num_experts),
+                num_experts_per_tok=int(hf.get("num_experts_per_tok", 2)),
+                moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True,
+                sparse_layers=tuple(range(num_layers)))
+  step = int(hf.get("decoder_sparse_step", 1))
+  if step < 1:
+    raise ConfigError(f"decoder_sparse_step must be >= 1, got {step}")
+  dense = {int(i) for i in hf.get("mlp_only_layers") or ()}
+  sparse = tuple(i for i in range(num_layers)
+                 if i not in dense and int(num_experts) > 0 and (i + 1) % step == 0)
+  return dict(num_experts=int(num_experts),
+              num_experts_per_tok=int(hf.get("num_experts_per_tok", 8)),
+              moe_intermediate_size=int(hf["moe_intermediate_size"]),
+              norm_topk_prob=norm, sparse_layers=sparse)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:

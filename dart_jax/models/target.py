@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 from dart_jax.errors import CheckpointError
-from dart_jax.models import checkpoint
+from dart_jax.models import checkpoint, moe
 from dart_jax.models import precision as precision_lib
 from dart_jax.models.config import ModelConfig, config_from_hf
 from dart_jax.models.precision import Precision
@@ -95,6 +95,10 @@ hf_name = checkpoint.renamer((
     (r"embed_tokens/embedding", "model.embed_tokens.weight"),
     (r"norm/scale", "model.norm.weight"),
     (r"lm_head/(kernel|weight)", "lm_head.weight"),
+    # MoE layers, in the stacked names ``moe_tensors`` gives any released layout.
+    (r"layers/(\d+)/mlp/router/(kernel|weight)", r"model.layers.\1.mlp.gate.weight"),
+    (r"layers/(\d+)/mlp/experts/(gate_proj|up_proj|down_proj)/(kernel|weight)",
+     r"model.layers.\1.mlp.experts.\2.weight"),
     (r"layers/(\d+)/(self_attn|mlp)/(\w+_proj)/(kernel|weight)",
      r"model.layers.\1.\2.\3.weight"),
     (r"layers/(\d+)/(self_attn|mlp)/(\w+_proj)/bias", r"model.layers.\1.\2.\3.bias"),
@@ -107,8 +111,11 @@ def params_from_hf(config: ModelConfig, tensors: Mapping[str, np.ndarray], preci
                    source: str = "") -> tuple[Any, Any]:
   """Builds (graphdef, params) from HF-named tensors ([out, in] linear weights).
 
-  precision: a ``Precision`` or anything ``precision.resolve`` takes.
+  precision: a ``Precision`` or anything ``precision.resolve`` takes. MoE experts
+  may come per expert or fused (``moe.stack_expert_tensors``).
   """
+  if config.sparse_layers:
+    tensors = moe.stack_expert_tensors(config, tensors, source=source)
   return checkpoint.state_from_tensors(
       lambda: Transformer(config, rngs=nnx.Rngs(0), precision=precision), tensors, hf_name,
       source=source, what=f"{config.arch} checkpoint")

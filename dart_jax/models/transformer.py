@@ -1,4 +1,5 @@
-"""Llama / Qwen3 decoder in Flax NNX, with a preallocated per-layer KV cache.
+"""Llama / Qwen3 (and their MoE variants) in Flax NNX, with a preallocated per-layer
+KV cache.
 
 Every call is the same operation: T new tokens at given positions attend to the
 first ``cache.lengths[b]`` cache entries plus the new tokens their ``tree_mask``
@@ -19,6 +20,7 @@ from flax import nnx
 from dart_jax.models import layers
 from dart_jax.models import precision as precision_lib
 from dart_jax.models.config import ModelConfig, rope_inv_freq
+from dart_jax.models.moe import MoE
 from dart_jax.models.precision import Precision
 from kernels.tree_attention import tree_attention
 from kernels.tree_attention.ops import resolve_impl
@@ -138,7 +140,7 @@ class Block(nnx.Module):
   """Pre-norm decoder layer."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs,
-               precision: Precision | Any = jnp.float32):
+               precision: Precision | Any = jnp.float32, sparse: bool = False):
     self.input_layernorm = layers.RMSNorm(config.hidden_size, config.rms_norm_eps,
                                           precision=precision)
     c = config
@@ -148,8 +150,13 @@ class Block(nnx.Module):
         eps=c.rms_norm_eps, use_bias=c.attention_bias, rngs=rngs, precision=precision)
     self.post_attention_layernorm = layers.RMSNorm(
         config.hidden_size, config.rms_norm_eps, precision=precision)
-    self.mlp = layers.SwiGLU(config.hidden_size, config.intermediate_size, rngs=rngs,
-                             precision=precision)
+    if sparse:
+      self.mlp = MoE(c.hidden_size, c.moe_intermediate_size, c.num_experts,
+                     c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob, rngs=rngs,
+                     precision=precision)
+    else:
+      self.mlp = layers.SwiGLU(c.hidden_size, c.intermediate_size, rngs=rngs,
+                               precision=precision)
 
   def __call__(self, x, cos, sin, k_cache, v_cache, lengths, tree_mask, attend_len,
                attn_impl):
@@ -171,8 +178,9 @@ class Transformer(nnx.Module):
     self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size,
                                   param_dtype=self.precision.weight_dtype,
                                   embedding_init=layers.normal_init(0.02), rngs=rngs)
-    self.layers = nnx.List([Block(config, rngs=rngs, precision=precision)
-                            for _ in range(config.num_layers)])
+    self.layers = nnx.List([Block(config, rngs=rngs, precision=precision,
+                                  sparse=config.is_sparse(i))
+                            for i in range(config.num_layers)])
     self.norm = layers.RMSNorm(config.hidden_size, config.rms_norm_eps,
                                precision=precision)
     if not config.tie_embeddings:

@@ -32,7 +32,7 @@ from flax import struct
 from jax import lax
 
 from dart_jax.errors import ConfigError
-from dart_jax.ngram.table import _mix
+from dart_jax.ngram.table import hash_pair
 
 TOTAL = -1  # the ``next`` token of a context's total-count entry
 LAST = -2  # the ``next`` token of a context's latest-continuation entry
@@ -110,7 +110,7 @@ def suffix_hashes(tokens: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.A
   h = jnp.full(tokens.shape[:-1], _SEED, jnp.uint32)
   ok = jnp.ones(tokens.shape[:-1], bool)
   for i in range(tokens.shape[-1] - 1, -1, -1):
-    h = _mix(h, tokens[..., i], jnp)
+    h = hash_pair(h, tokens[..., i], jnp)
     ok = ok & valid[..., i]
     hashes.append(h)
     oks.append(ok)
@@ -119,7 +119,7 @@ def suffix_hashes(tokens: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.A
 
 def entry_key(context_hash: jax.Array, next_token) -> jax.Array:
   """Key of the entry (context, next): uint32, never 0 (0 marks an empty slot)."""
-  key = _mix(context_hash, jnp.asarray(next_token, jnp.int32), jnp)
+  key = hash_pair(context_hash, jnp.asarray(next_token, jnp.int32), jnp)
   return jnp.where(key == 0, jnp.uint32(1), key)
 
 

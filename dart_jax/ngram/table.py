@@ -34,7 +34,7 @@ from dart_jax.ngram.trie_format import entries_of
 _INT32_MAX = np.iinfo(np.int32).max
 
 
-def _mix(node, token, xp):
+def hash_pair(node, token, xp):
   """32-bit hash of (node, token); identical in numpy (xp=np) and jnp."""
   u32 = xp.uint32
   h = node.astype(u32) * u32(0x9E3779B1) ^ (token.astype(u32) + u32(0x7F4A7C15))
@@ -96,7 +96,7 @@ class NGramTable:
       tokens = t.tokens[nodes].astype(np.int32)
       n = nodes.shape[0]
       size = max(math.ceil(n / load_factor), 1)
-      bucket = (_mix(parent_ids, tokens, np) % np.uint32(size)).astype(np.int64)
+      bucket = (hash_pair(parent_ids, tokens, np) % np.uint32(size)).astype(np.int64)
       perm = np.argsort(bucket, kind="stable")
       per_bucket = np.bincount(bucket, minlength=size)
       starts.append(num_keys + np.cumsum(per_bucket) - per_bucket)
@@ -150,7 +150,7 @@ class NGramTable:
       return (jnp.full(node.shape, -1, jnp.int32),
               jnp.zeros(node.shape, jnp.int32))
     window = self.window[depth - 1]
-    bucket = (_mix(node, token, jnp) % jnp.uint32(self.size[depth - 1])).astype(
+    bucket = (hash_pair(node, token, jnp) % jnp.uint32(self.size[depth - 1])).astype(
         jnp.int32)
     start = self.bucket_start[self.bucket_offset[depth - 1] + bucket]
     # Absent parents read a fixed (cached) window instead of a random one.
