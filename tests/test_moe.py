@@ -180,3 +180,18 @@ def test_bad_moe_configs_are_clear_errors(overrides, match):
 def test_bad_model_config_is_a_clear_error():
   with pytest.raises(ConfigError, match="sparse_layers"):
     dataclasses.replace(CONFIG, sparse_layers=(0, 3))
+
+
+def test_moe_bench_times_every_cell():
+  from dart_jax.models import precision
+  from infer import moe_bench
+
+  base = dataclasses.replace(CONFIG, num_layers=2, sparse_layers=(0, 1))
+  lines = []
+  results = moe_bench.measure([2, 4], [1, 3], precision.resolve("float32"),
+                              ["gather", "sorted"], reps=1, base=base, log=lines.append)
+  assert sorted(results["ms"]) == ["gather/T=1", "gather/T=3", "sorted/T=1", "sorted/T=3"]
+  for cell in results["ms"].values():
+    assert cell["2"] > 0 and cell["4"] > 0
+    assert cell["ratio"] == pytest.approx(cell["4"] / cell["2"], rel=1e-2)
+  assert len(lines) == 4 and "E=4/E=2" in lines[0]
