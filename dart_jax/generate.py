@@ -20,6 +20,7 @@ from flax import nnx
 
 from dart_jax.errors import InputError
 from dart_jax.models.target import Target
+from dart_jax.profiling import CompileWatch
 from dart_jax.sampling import KeySequence, SamplingConfig, sample
 
 _PROMPT_PAD = 32  # prefill lengths are padded to a multiple of this (fewer compiles)
@@ -48,6 +49,10 @@ class GenerateStats:
   mean_accept_len: tokens emitted per sequence per round, bonus token included
     (1.0 for plain decoding).
   tokens_per_s: new tokens / decode time (prefill excluded).
+  compile_s: seconds of the decode time spent tracing, lowering and compiling
+    (shapes seen for the first time in this process); 0 once all are compiled.
+    A cold call is slower than that by more (first dispatches), so compare warm
+    calls for speed, as ``infer.bench`` and ``infer.main --compare`` do.
   time_to_first_token_s: prefill + first token.
   total_s: wall time of the whole call.
   phase_s: seconds per phase where the decoder measures them (profile mode).
@@ -57,6 +62,7 @@ class GenerateStats:
   new_tokens: int = 0
   mean_accept_len: float = 0.0
   tokens_per_s: float = 0.0
+  compile_s: float = 0.0
   time_to_first_token_s: float = 0.0
   total_s: float = 0.0
   phase_s: dict = dataclasses.field(default_factory=dict)
@@ -259,27 +265,29 @@ def run_rounds(target: Target, prompt_ids: list[list[int]], decoder: Decoder,
   yield [accept(i, [first[i]]) for i in range(batch)], stats
   t_decode = time.perf_counter()
   row_rounds = accepted_total = 0
-  while not done.all():
-    active = ~done
-    attend_len = attend_bucket(int(committed[active].max()) + 1, capacity)
-    state, new_tokens, num_new = decoder.step(state, jnp.asarray(active), attend_len)
-    new_tokens, num_new = np.asarray(new_tokens), np.asarray(num_new)
-    stats.rounds += 1
-    row_rounds += int(active.sum())
-    chunk = []
-    for i in range(batch):
-      if not active[i]:
-        chunk.append([])
-        continue
-      accepted_total += int(num_new[i])
-      committed[i] += int(num_new[i])
-      chunk.append(accept(i, new_tokens[i, :num_new[i]].tolist()))
-    elapsed = time.perf_counter() - t_decode
-    stats.new_tokens = sum(len(e) for e in emitted)
-    stats.mean_accept_len = accepted_total / row_rounds
-    stats.tokens_per_s = (stats.new_tokens - batch) / elapsed if elapsed > 0 else 0.0
-    stats.total_s = time.perf_counter() - t0
-    yield chunk, stats
+  with CompileWatch() as watch:
+    while not done.all():
+      active = ~done
+      attend_len = attend_bucket(int(committed[active].max()) + 1, capacity)
+      state, new_tokens, num_new = decoder.step(state, jnp.asarray(active), attend_len)
+      new_tokens, num_new = np.asarray(new_tokens), np.asarray(num_new)
+      stats.rounds += 1
+      row_rounds += int(active.sum())
+      chunk = []
+      for i in range(batch):
+        if not active[i]:
+          chunk.append([])
+          continue
+        accepted_total += int(num_new[i])
+        committed[i] += int(num_new[i])
+        chunk.append(accept(i, new_tokens[i, :num_new[i]].tolist()))
+      elapsed = time.perf_counter() - t_decode
+      stats.new_tokens = sum(len(e) for e in emitted)
+      stats.mean_accept_len = accepted_total / row_rounds
+      stats.tokens_per_s = (stats.new_tokens - batch) / elapsed if elapsed > 0 else 0.0
+      stats.compile_s = watch.decode_compile_s
+      stats.total_s = time.perf_counter() - t0
+      yield chunk, stats
   stats.new_tokens = sum(len(e) for e in emitted)
   stats.total_s = time.perf_counter() - t0
   stats.phase_s.update(getattr(decoder, "phase_s", {}))

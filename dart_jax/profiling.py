@@ -1,9 +1,13 @@
-"""Profile mode of the speculative decoders: a round split into timed phases.
+"""Timing helpers: the decoders' profile mode and compile detection.
 
-A decoder's round function takes ``wrap(name, fn)`` and calls every phase as
-``wrap(name, fn)(*arrays)``. Normal decoding passes ``no_wrap`` (the phases
-fuse into one compiled round); profile mode passes ``PhaseTimer.wrap(...)``,
+Profile mode: a decoder's round function takes ``wrap(name, fn)`` and calls every
+phase as ``wrap(name, fn)(*arrays)``. Normal decoding passes ``no_wrap`` (the
+phases fuse into one compiled round); profile mode passes ``PhaseTimer.wrap(...)``,
 which compiles each phase on its own and accumulates its wall seconds.
+
+``CompileWatch`` collects the XLA compilations inside a ``with`` block, so that
+``generate`` can report how much of a call's decode time was compiling and the
+benchmark can discard runs that compiled.
 """
 
 import time
@@ -19,6 +23,59 @@ Wrap = Callable[[str, Callable[..., Any]], Callable[..., Any]]
 # round builds new ``functools.partial`` phases every call and each decoder
 # lives for one ``generate`` call: keying jit by value compiles each once.
 _COMPILED: dict[tuple[str, Hashable], Callable[..., Any]] = {}
+
+
+PREFILL_FUNCTIONS = ("prefill", "dart_prefill", "dartree_prefill")
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+# The stages of turning a function into an executable: tracing, lowering, XLA.
+_COMPILE_STAGES = ("/jax/core/compile/jaxpr_trace_duration",
+                   "/jax/core/compile/jaxpr_to_mlir_module_duration", _BACKEND_COMPILE)
+# The open watches, innermost last: (stage, function name, seconds) per event.
+_compile_logs: list[list[tuple[str, str, float]]] = []
+_listening = False
+
+
+def _on_event(event: str, duration: float, **kwargs) -> None:
+  if _compile_logs and event in _COMPILE_STAGES:
+    for log in _compile_logs:
+      log.append((event, str(kwargs.get("fun_name", "")), duration))
+
+
+def _is_prefill(name: str) -> bool:
+  """Whether a compiled function's name ("f", "jit(f)" or "jit_f") is a prefill."""
+  base = name.removeprefix("jit(").removesuffix(")").removeprefix("jit_")
+  return base in PREFILL_FUNCTIONS
+
+
+class CompileWatch:
+  """Collects JAX compilations inside a ``with`` block (nestable).
+
+  ``decode_compiles``: (function name, seconds) of each XLA compilation of anything
+  but the prefill functions (the prefill is outside decode time, the rest is not).
+  ``decode_compile_s``: their seconds with tracing and lowering included.
+  """
+
+  def __enter__(self) -> "CompileWatch":
+    global _listening
+    if not _listening:
+      jax.monitoring.register_event_duration_secs_listener(_on_event)
+      _listening = True
+    self.events: list[tuple[str, str, float]] = []
+    _compile_logs.append(self.events)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    index = next(i for i, log in enumerate(_compile_logs) if log is self.events)
+    del _compile_logs[index]
+
+  @property
+  def decode_compiles(self) -> list[tuple[str, float]]:
+    return [(name, d) for stage, name, d in self.events
+            if stage == _BACKEND_COMPILE and not _is_prefill(name)]
+
+  @property
+  def decode_compile_s(self) -> float:
+    return sum(d for _, name, d in self.events if not _is_prefill(name))
 
 
 def no_wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:

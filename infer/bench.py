@@ -113,6 +113,7 @@ import dart_jax as dj
 from dart_jax.errors import InputError
 from dart_jax.models import precision
 from dart_jax.generate import encode_prompts, stop_token_ids
+from dart_jax.profiling import CompileWatch
 from dart_jax.tree.dartree import num_tree_nodes, resolve_method
 from infer import datasets
 from infer.bench_options import (DART_GRU_METHODS, DART_GRU_TREES, DART_METHODS,
@@ -126,45 +127,6 @@ from infer.bench_report import (format_table, greedy_mismatches, rate, summarize
                                 write_plot)
 
 MAX_COLD_RETRIES = 2
-_PREFILL_FUNCTIONS = ("prefill", "dart_prefill", "dartree_prefill")
-
-
-# ----------------------------------------------------------------------------
-# Compile detection.
-# ----------------------------------------------------------------------------
-
-_compile_log: list[tuple[str, float]] | None = None
-_listening = False
-
-
-def _on_event(event: str, duration: float, **kwargs) -> None:
-  if _compile_log is not None and event == "/jax/core/compile/backend_compile_duration":
-    _compile_log.append((str(kwargs.get("fun_name", "")), duration))
-
-
-class CompileWatch:
-  """Collects JAX backend compilations inside a ``with`` block.
-
-  ``decode_compiles`` lists those of anything but the prefill functions: the
-  prefill is outside decode time, the rest is not.
-  """
-
-  def __enter__(self) -> "CompileWatch":
-    global _compile_log, _listening
-    if not _listening:
-      jax.monitoring.register_event_duration_secs_listener(_on_event)
-      _listening = True
-    self.events = _compile_log = []
-    return self
-
-  def __exit__(self, *exc) -> None:
-    global _compile_log
-    _compile_log = None
-
-  @property
-  def decode_compiles(self) -> list[tuple[str, float]]:
-    return [(name, d) for name, d in self.events
-            if not any(name == f"jit({p})" for p in _PREFILL_FUNCTIONS)]
 
 
 # ----------------------------------------------------------------------------

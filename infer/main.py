@@ -51,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
   bench_options.add_context_ngram_flag(p)
   p.add_argument("--no-chat", action="store_true", help="use the prompt as raw text")
   p.add_argument("--stats", action="store_true", help="print statistics to stderr")
+  p.add_argument("--compare", action="store_true",
+                 help="with a speculative method: also decode the prompt plainly, "
+                      "then run both once more now that they are compiled, and print "
+                      "both warm rates and the speedup (implies --stats)")
   precision.add_cli_flag(p)
   bench_options.add_dartree_args(p)
   return p
@@ -105,6 +109,29 @@ def choose_method(args) -> str:
   return method
 
 
+def stats_line(method: str, s) -> str:
+  """One line of a call's ``GenerateStats``."""
+  compiling = f" ({s.compile_s:.1f}s of it compiling)" if s.compile_s > 0 else ""
+  return (f"[{method}: {s.new_tokens} tokens, {s.tokens_per_s:.1f} tok/s{compiling}, "
+          f"{s.mean_accept_len:.2f} tokens/round, first token "
+          f"{s.time_to_first_token_s:.2f}s]")
+
+
+def compare_line(target, args, method: str, kwargs: dict) -> str:
+  """Plain decoding of the same prompt (compiled by a first run), then one warm run
+  of each method: their tokens/s, as a new user's second call would see them."""
+  def run(**method_kwargs):
+    return dj.generate(target, args.prompt, max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                       seed=args.seed, chat=not args.no_chat, **method_kwargs).stats
+
+  run()  # compiles plain decoding
+  plain, spec = run(), run(**kwargs)
+  speedup = spec.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else 0.0
+  return (f"[warm: {method} {spec.tokens_per_s:.1f} tok/s ({spec.mean_accept_len:.2f} "
+          f"tokens/round), ar {plain.tokens_per_s:.1f} tok/s: {speedup:.2f}x]")
+
+
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
   try:
@@ -132,11 +159,10 @@ def main(argv=None) -> int:
       sys.stdout.write(chunk)
       sys.stdout.flush()
     sys.stdout.write("\n")
-    if args.stats and stats:
-      s = stats["stats"]
-      print(f"[{method}: {s.new_tokens} tokens, {s.tokens_per_s:.1f} tok/s, "
-            f"{s.mean_accept_len:.2f} tokens/round, "
-            f"first token {s.time_to_first_token_s:.2f}s]", file=sys.stderr)
+    if (args.stats or args.compare) and stats:
+      print(stats_line(method, stats["stats"]), file=sys.stderr)
+    if args.compare and method != "ar":
+      print(compare_line(target, args, method, kwargs), file=sys.stderr)
   except dj.DartJaxError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -65,6 +65,15 @@ def test_stats(target):
   assert s.tokens_per_s > 0 and s.time_to_first_token_s > 0
 
 
+def test_stats_separate_compile_time(target):
+  """A batch size never decoded before compiles a new step: its seconds are counted
+  in compile_s; the same call again compiles nothing."""
+  prompts = [[1, 2, 3]] * 7
+  cold = dj.generate(target, prompts, max_new_tokens=5, eos_token_ids=()).stats
+  warm = dj.generate(target, prompts, max_new_tokens=5, eos_token_ids=()).stats
+  assert 0 < cold.compile_s < cold.total_s and warm.compile_s == 0
+
+
 def test_bad_input(target):
   with pytest.raises(dj.InputError, match="empty"):
     dj.generate(target, "")

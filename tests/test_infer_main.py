@@ -1,6 +1,7 @@
 """The generate CLI (python -m infer.main)."""
 
 import pathlib
+import re
 
 import pytest
 
@@ -52,6 +53,18 @@ def test_cli_dartree_method_streams_the_ar_text(capsys):
   want = dj.generate(dj.load_target(TINY), prompt, max_new_tokens=6).text
   assert out.out == want + "\n"
   assert "[dartree: " in out.err and "tokens/round" in out.err
+
+
+def test_cli_compare_reports_both_methods_and_the_speedup(capsys):
+  prompt = _humaneval_prompt()
+  assert cli.main(["--prompt", prompt, "--model", TINY, "--max-new-tokens", "6",
+                   "--method", "dartree", "--drafter", "random", "--drafter-block-size",
+                   "3", "--dartree-topk", "2", "--dartree-width", "2",
+                   "--dartree-budget", "3", "--compare"]) == 0
+  err = capsys.readouterr().err.splitlines()
+  assert err[-2].startswith("[dartree: 6 tokens")
+  assert re.fullmatch(r"\[warm: dartree \d+\.\d tok/s \(\d\.\d\d tokens/round\), "
+                      r"ar \d+\.\d tok/s: \d+\.\d\dx\]", err[-1]), err[-1]
 
 
 @pytest.mark.parametrize("argv, message", [
