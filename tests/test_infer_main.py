@@ -43,12 +43,15 @@ def _humaneval_prompt():
   return message["content"]
 
 
+# DARTree with a tiny random drafter on the tiny target (6 new tokens).
+RANDOM_DARTREE = ["--model", TINY, "--max-new-tokens", "6", "--method", "dartree",
+                  "--drafter", "random", "--drafter-block-size", "3", "--dartree-topk",
+                  "2", "--dartree-width", "2", "--dartree-budget", "3"]
+
+
 def test_cli_dartree_method_streams_the_ar_text(capsys):
   prompt = _humaneval_prompt()
-  assert cli.main(["--prompt", prompt, "--model", TINY, "--max-new-tokens", "6",
-                   "--method", "dartree", "--drafter", "random", "--drafter-block-size",
-                   "3", "--dartree-topk", "2", "--dartree-width", "2",
-                   "--dartree-budget", "3", "--stats"]) == 0
+  assert cli.main(["--prompt", prompt, *RANDOM_DARTREE, "--stats"]) == 0
   out = capsys.readouterr()
   want = dj.generate(dj.load_target(TINY), prompt, max_new_tokens=6).text
   assert out.out == want + "\n"
@@ -56,11 +59,7 @@ def test_cli_dartree_method_streams_the_ar_text(capsys):
 
 
 def test_cli_compare_reports_both_methods_and_the_speedup(capsys):
-  prompt = _humaneval_prompt()
-  assert cli.main(["--prompt", prompt, "--model", TINY, "--max-new-tokens", "6",
-                   "--method", "dartree", "--drafter", "random", "--drafter-block-size",
-                   "3", "--dartree-topk", "2", "--dartree-width", "2",
-                   "--dartree-budget", "3", "--compare"]) == 0
+  assert cli.main(["--prompt", _humaneval_prompt(), *RANDOM_DARTREE, "--compare"]) == 0
   err = capsys.readouterr().err.splitlines()
   assert err[-2].startswith("[dartree: 6 tokens")
   assert re.fullmatch(r"\[warm: dartree \d+\.\d tok/s \(\d\.\d\d tokens/round\), "
