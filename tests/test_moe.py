@@ -177,6 +177,17 @@ def test_bad_moe_configs_are_clear_errors(overrides, match):
     config_from_hf(hf)
 
 
+def test_mixtral_sliding_window_is_a_clear_error():
+  hf = {"architectures": ["MixtralForCausalLM"], "vocab_size": 50, "hidden_size": 16,
+        "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_local_experts": 4, "num_experts_per_tok": 2,
+        "max_position_embeddings": 32768, "sliding_window": 4096}
+  with pytest.raises(ConfigError, match="sliding_window=4096"):
+    config_from_hf(hf)
+  hf["sliding_window"] = None
+  assert config_from_hf(hf).num_experts == 4
+
+
 def test_bad_model_config_is_a_clear_error():
   with pytest.raises(ConfigError, match="sparse_layers"):
     dataclasses.replace(CONFIG, sparse_layers=(0, 3))

@@ -193,6 +193,11 @@ def _moe_fields(arch: str, hf: Mapping[str, Any]) -> dict[str, Any]:
   if not isinstance(norm, bool):
     raise ConfigError(f"norm_topk_prob must be true or false, got {norm!r}")
   if arch == "mixtral":
+    window = hf.get("sliding_window")
+    if window is not None and int(window) < int(hf.get("max_position_embeddings", 4096)):
+      raise ConfigError(f"sliding_window={window} (attention limited to the last "
+                        f"{window} tokens) is not supported; dart-jax attends to the "
+                        "whole context")
     return dict(num_experts=int(num_experts),
                 num_experts_per_tok=int(hf.get("num_experts_per_tok", 2)),
                 moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True,
