@@ -10,6 +10,11 @@ N-gram term of a level is one batch of hashed lookups (which also yields the
 next members' nodes). Levels whose beam has reached its final size run as one
 `lax.scan` body, so compile time does not grow with the depth.
 
+With a context N-gram (``context_ngram``, beyond the reference; rule in
+docs/context_ngram.md) each member expands one more, member-specific candidate and
+the terms below take the context's estimate; without one the search is the
+reference's bit for bit.
+
 Scores follow the reference release exactly (float32 throughout):
   level 0:  s(c+t) = s(c) + lw(0) * (log(p_0(t) + eps) * gw(0))
   level l:  s(c+t) = s(c) + lw(l) * (log(p_l(t) + eps) * gw(l)
@@ -120,10 +125,11 @@ def search_candidates(tokens: jax.Array, log_probs: jax.Array,
     ngram: device table or None (no N-gram term).
     config: search config (static).
     context_len: int32 [] real trailing entries of `context` (None = all).
-    context_ngram: this sequence's `ContextNGram` row, or None. Its estimate is
-      mixed into the N-gram probability (`ContextNGram.mix`) wherever the N-gram
-      term is used (levels >= 1, ngram_weight > 0); None leaves the search exactly
-      the reference's.
+    context_ngram: this sequence's `ContextNGram` row, or None (the reference
+      search, exactly). Used only when ngram_weight > 0: its estimate enters the
+      N-gram term (`ContextNGram.mix`, levels >= 1), raises draft probabilities
+      (``draft_weight``, all levels) and adds each member's copy prediction as a
+      child (``inject``); see docs/context_ngram.md.
   """
   num_levels, k = tokens.shape
   c = context.shape[0]
@@ -211,7 +217,8 @@ def search_candidates(tokens: jax.Array, log_probs: jax.Array,
     records = (child_tokens, jnp.repeat(beam_record, children), child_scores)
     if not cut:
       return state, records
-    # The beam never outgrows the real (top-k) children, so it never holds a void one.
+    # Void injected children score -inf: the cut keeps at most size * k members, so
+    # it takes real children first.
     keep = _beam_cut(child_scores, child_tokens,
                      min(config.beam_width, size * k), config.search_eos_id)
     beam_nodes = (next_nodes.reshape(size * children, width)[keep] if use_table
