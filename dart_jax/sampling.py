@@ -70,4 +70,39 @@ def sample(key: jax.Array, logits: jax.Array, config: SamplingConfig) -> jax.Arr
   """One token per row. logits: [..., V] -> [...] int32."""
   if config.greedy:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  return jax.random.categorical(key, processed_log_probs(logits, config)).astype(jnp.int32)
+  return sample_log_probs(key, processed_log_probs(logits, config))
+
+
+_BLOCK = 128  # tokens per block of the two-level draw
+
+
+def sample_log_probs(key: jax.Array, log_probs: jax.Array) -> jax.Array:
+  """One draw per row from ``log_probs [..., V]`` (-inf = excluded) -> [...] int32.
+
+  Inverts the distribution function in two levels: a block of 128 tokens by the
+  blocks' masses, then a token within it, each from one uniform. Two uniforms per
+  row instead of V Gumbel draws (``jax.random.categorical``): for a verified tree of
+  9 nodes over 49152 tokens 0.75 ms instead of 6.3 on a 2-core CPU. Two short
+  prefix sums keep float32 rounding small: a token's probability is off by at most
+  about 128 + V/128 float32 ulps of its block's or the total mass (Gumbel-max in
+  float32 never draws tokens below ~1e-8 of the top one at all).
+  """
+  lead, vocab = log_probs.shape[:-1], log_probs.shape[-1]
+  blocks = -(-vocab // _BLOCK)
+  weights = jnp.exp(log_probs - jnp.max(log_probs, axis=-1, keepdims=True))
+  weights = jnp.pad(weights, [(0, 0)] * len(lead) + [(0, blocks * _BLOCK - vocab)])
+  weights = weights.reshape(*lead, blocks, _BLOCK)
+  u_block, u_token = jax.random.uniform(key, (2,) + lead)
+  block = _invert(jnp.sum(weights, axis=-1), u_block)
+  within = jnp.take_along_axis(weights, block[..., None, None], axis=-2)[..., 0, :]
+  return (block * _BLOCK + _invert(within, u_token)).astype(jnp.int32)
+
+
+def _invert(weights: jax.Array, u: jax.Array) -> jax.Array:
+  """The index i with cdf(i-1) <= u * total < cdf(i): weights [..., n] >= 0 (some
+  > 0), u [...] in [0, 1) -> [...] int32; never a zero-weight index."""
+  cdf = jnp.cumsum(weights, axis=-1)
+  index = jnp.sum(cdf <= (u * cdf[..., -1])[..., None], axis=-1)
+  # u * total can round up to the total: fall back to the last positive weight.
+  last = weights.shape[-1] - 1 - jnp.argmax(weights[..., ::-1] > 0, axis=-1)
+  return jnp.minimum(index, last).astype(jnp.int32)
