@@ -21,6 +21,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from dart_jax.models import ModelConfig, Target, causal_mask, precision
 from dart_jax.models import moe as moe_lib
@@ -39,7 +40,6 @@ def _with_impl(target: Target, impl: str) -> Target:
   for layer in module.layers:
     if isinstance(layer.mlp, moe_lib.MoE):
       layer.mlp.expert_impl = impl
-  from flax import nnx
   graphdef, params = nnx.split(module)
   return dataclasses.replace(target, graphdef=graphdef, params=params)
 

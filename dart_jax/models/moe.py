@@ -78,9 +78,8 @@ def _parts(x: jax.Array, precision: Precision) -> jax.Array:
 
 
 def _sum_parts(out: jax.Array, precision: Precision) -> jax.Array:
-  if precision.dot == "split3":  # Smallest parts first, as precision.matmul sums.
-    return out[0] + (out[1] + out[2])
-  return out[0]
+  """The inverse of ``_parts`` on the products: as ``precision.matmul`` sums them."""
+  return precision_lib.sum_split3(out) if precision.dot == "split3" else out[0]
 
 
 def gathered_matmul(x: jax.Array, w: jax.Array, precision: Precision, *,

@@ -148,6 +148,12 @@ def split3(x: jax.Array) -> jax.Array:
   return jnp.concatenate([hi, mid, lo], axis=0)
 
 
+def sum_split3(parts: jax.Array) -> jax.Array:
+  """``[3, ...]`` products of split3's hi / mid / lo parts -> their float32 sum,
+  smallest parts first (their sum is exact before it meets ``hi``)."""
+  return parts[0] + (parts[1] + parts[2])
+
+
 def matmul(x: jax.Array, w: jax.Array, precision: Precision, *,
            transposed: bool = False) -> jax.Array:
   """``x @ w`` as ``precision`` says; the library's only dense-layer dot.
@@ -170,8 +176,7 @@ def matmul(x: jax.Array, w: jax.Array, precision: Precision, *,
   elif precision.dot == "split3":
     parts = jax.lax.dot_general(split3(rows.astype(jnp.float32)), w, (contract, ((), ())),
                                 preferred_element_type=jnp.float32).reshape(3, m, -1)
-    # Smallest parts first: their sum is exact before it meets ``hi``.
-    out = parts[0] + (parts[1] + parts[2])
+    out = sum_split3(parts)
   else:  # rows
     lhs = rows.astype(jnp.bfloat16)
     if m == 1:  # A one-row bf16 dot takes XLA:CPU's slow path.
