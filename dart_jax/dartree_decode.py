@@ -239,8 +239,8 @@ class DARTreeDecoder:
     cache = t.new_cache(batch, capacity)
     # Context rows (up to D+1 per round) and the block's B scratch rows go past
     # the committed length.
-    draft_cache = KVCache.create(c.num_layers, batch, capacity + 2 * c.block_size,
-                                 c.num_kv_heads, c.head_dim, t.dtype)
+    draft_cache = KVCache.for_attention(c.num_layers, batch, capacity + 2 * c.block_size,
+                                        c.num_kv_heads, c.head_dim, t.dtype, t.attn_impl)
     first, state = dartree_prefill(
         t.graphdef, t.params, d.graphdef, d.params, cache, draft_cache, tokens,
         prompt_lens, self.keys.next(), sampling=self.sampling, attn_impl=t.attn_impl)

@@ -274,8 +274,9 @@ class DartDecoder:
     batch = tokens.shape[0]
     cache = t.new_cache(batch, capacity)
     # The head writes up to D+2 real rows and D mask rows past the committed length.
-    draft_cache = KVCache.create(1, batch, capacity + 2 * d + 2, h.config.num_kv_heads,
-                                 h.config.head_dim, t.dtype)
+    draft_cache = KVCache.for_attention(1, batch, capacity + 2 * d + 2,
+                                        h.config.num_kv_heads, h.config.head_dim,
+                                        t.dtype, t.attn_impl)
     first, state = dart_prefill(
         t.graphdef, t.params, h.graphdef, h.params, cache, draft_cache, tokens,
         prompt_lens, self.keys.next(), sampling=self.sampling, attn_impl=t.attn_impl,

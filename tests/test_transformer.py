@@ -7,6 +7,7 @@ import pytest
 
 from dart_jax.models import ModelConfig, Target, causal_mask
 from dart_jax.models.transformer import KVCache
+from kernels.tree_attention import HEAD_MAJOR, TOKEN_MAJOR
 
 CONFIGS = {
     "llama_gqa": ModelConfig(arch="llama", vocab_size=101, hidden_size=48,
@@ -108,19 +109,44 @@ def test_tree_verify_matches_sequential_paths(target):
   np.testing.assert_allclose(got, expected, atol=2e-5)
 
 
-def test_compact_moves_accepted_entries():
-  c = ModelConfig(arch="llama", vocab_size=11, hidden_size=8, intermediate_size=8,
-                  num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8)
+@pytest.mark.parametrize("layout", [TOKEN_MAJOR, HEAD_MAJOR])
+def test_compact_moves_accepted_entries(layout):
   k = jnp.arange(2 * 12, dtype=jnp.float32).reshape(2, 12, 1, 1) * jnp.ones((1, 1, 1, 8))
-  cache = KVCache(k=(k,), v=(k + 100,), lengths=jnp.asarray([2, 4]))
+  if layout == HEAD_MAJOR:
+    k = k.transpose(0, 2, 1, 3)
+  cache = KVCache(k=(k,), v=(k + 100,), lengths=jnp.asarray([2, 4]), layout=layout)
   out = cache.compact(jnp.asarray([[0, 3, 5], [0, 1, 0]]), jnp.asarray([3, 2]))
   np.testing.assert_array_equal(out.lengths, [5, 6])
+  if layout == HEAD_MAJOR:
+    out = out.replace(k=(out.k[0].transpose(0, 2, 1, 3),),
+                      v=(out.v[0].transpose(0, 2, 1, 3),))
   got = np.asarray(out.k[0][:, :, 0, 0])
   np.testing.assert_array_equal(got[0, 2:5], [2, 5, 7])  # rows 2+0, 2+3, 2+5
   np.testing.assert_array_equal(got[1, 4:6], [12 + 4, 12 + 5])
   np.testing.assert_array_equal(got[0, :2], [0, 1])  # committed rows untouched
   np.testing.assert_array_equal(np.asarray(out.v[0][0, 3, 0, 0]), 105)
-  del c
+
+
+def test_both_cache_layouts_give_the_same_decode(target):
+  """Prefill, a tree-free decode step and a compact in either layout: the same
+  logits and the same cache entries (the layout only moves axes)."""
+  c = target.config
+  tokens = jnp.asarray([[5, 6, 7, 8], [9, 3, 0, 0]], jnp.int32)
+  results = {}
+  for layout in (TOKEN_MAJOR, HEAD_MAJOR):
+    cache = KVCache.create(c.num_layers, 2, 12, c.num_kv_heads, c.head_dim,
+                           target.dtype, layout=layout)
+    out = target.forward(tokens, jnp.arange(4)[None].repeat(2, 0), cache, causal_mask(2, 4))
+    cache = out.cache.compact(jnp.asarray([[0, 1, 2, 3], [0, 1, 2, 3]]),
+                              jnp.asarray([4, 2]))
+    step = target.forward(jnp.asarray([[4], [4]]), cache.lengths[:, None], cache,
+                          causal_mask(2, 1), attend_len=8)
+    keys = step.cache.k[-1]
+    results[layout] = (np.asarray(step.logits),
+                       np.asarray(keys if layout == TOKEN_MAJOR else keys.transpose(0, 2, 1, 3)),
+                       np.asarray(step.cache.lengths))
+  for a, b in zip(results[TOKEN_MAJOR], results[HEAD_MAJOR]):
+    np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 def test_taps_are_residual_stream_inputs(target):

@@ -96,6 +96,29 @@ def test_reference_matches_naive_loop(batch, num_tree, num_q_heads, num_kv_heads
   out = tree_attention_reference(*args, scale=scale)
   expected = naive_tree_attention(*args, scale=scale)
   np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5, rtol=1e-5)
+  # The head-major cache [B, Hkv, S, hd] holds the same entries: same result.
+  head_major = (args[0], args[1].transpose(0, 2, 1, 3), args[2].transpose(0, 2, 1, 3),
+                *args[3:])
+  out = tree_attention(*head_major, impl="xla", scale=scale, cache_layout=common.HEAD_MAJOR)
+  np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_layouts_per_impl_and_a_kernel_refuses_the_head_major_cache():
+  assert ops.cache_layout_for("xla") == common.HEAD_MAJOR
+  assert ops.cache_layout_for("pallas_tpu") == common.TOKEN_MAJOR
+  assert ops.cache_layout_for("auto", "gpu") == common.TOKEN_MAJOR
+  assert ops.cache_layout_for("auto", "cpu") == common.HEAD_MAJOR
+  args = random_inputs(1, 3, 4, 2, 8, 6, [2])
+  head_major = (args[0], args[1].transpose(0, 2, 1, 3), args[2].transpose(0, 2, 1, 3),
+                *args[3:])
+  with pytest.raises(ValueError, match="reads the token-major cache"):
+    tree_attention(*head_major, impl="pallas_tpu", interpret=True,
+                   cache_layout=common.HEAD_MAJOR)
+  with pytest.raises(ValueError, match=r"\[B, Hkv, S, hd\]"):
+    tree_attention(args[0], args[1], args[2][:, :5], *args[3:],
+                   cache_layout=common.HEAD_MAJOR)
+  with pytest.raises(ValueError, match="unknown cache layout"):
+    tree_attention(*args, cache_layout="sbhd")
 
 
 def test_reference_row_that_sees_nothing_is_zero_and_others_unchanged():

@@ -230,11 +230,12 @@ class DartHeadModule(nnx.Module):
     cos, sin = layers.rope_cos_sin(positions, self.inv_freq)
     attend_len = cache.capacity if attend_len is None else min(attend_len, cache.capacity)
     attn, k, v = self.midlayer.self_attn(attn_in, cos, sin, cache.k[0], cache.v[0],
-                                         cache.lengths, mask, attend_len, attn_impl)
+                                         cache.lengths, mask, attend_len, attn_impl,
+                                         cache.layout)
     h = residual + attn
     out_rows = (num_real - 1)[:, None] + jnp.arange(c.draft_length + 1)[None, :]
     hidden = self.final_hidden(layers.gather_rows(h, out_rows))
-    return hidden, KVCache(k=(k,), v=(v,), lengths=cache.lengths)
+    return hidden, cache.replace(k=(k,), v=(v,))
 
 
 def _ref_name(path: str) -> str:

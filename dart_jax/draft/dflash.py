@@ -45,7 +45,7 @@ from dart_jax.models import checkpoint, layers
 from dart_jax.models import precision as precision_lib
 from dart_jax.models.config import RopeScaling, rope_from_hf, rope_inv_freq
 from dart_jax.models.precision import Precision
-from dart_jax.models.transformer import Attention, KVCache
+from dart_jax.models.transformer import TOKEN_MAJOR, Attention, KVCache, write_kv
 from dart_jax.tree.dartree import CorrectionHead
 
 PROJECTOR_DOMINO = "domino"
@@ -282,10 +282,11 @@ class DFlashLayer(nnx.Module):
     k = layers.apply_rope(attn.k_norm(k), cos, sin)
     return k, v
 
-  def __call__(self, x, cos, sin, k_cache, v_cache, lengths, mask, attend_len, attn_impl):
+  def __call__(self, x, cos, sin, k_cache, v_cache, lengths, mask, attend_len, attn_impl,
+               cache_layout=TOKEN_MAJOR):
     attn, k_cache, v_cache = self.self_attn(
         self.input_layernorm(x), cos, sin, k_cache, v_cache, lengths, mask, attend_len,
-        attn_impl)
+        attn_impl, cache_layout)
     x = x + attn
     x = x + self.mlp(self.post_attention_layernorm(x))
     return x, k_cache, v_cache
@@ -350,9 +351,9 @@ class DFlashModule(nnx.Module):
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
       k, v = layer.context_kv(ctx, cos, sin)
-      new_k.append(layers.write_rows(cache.k[i], k, cache.lengths))
-      new_v.append(layers.write_rows(cache.v[i], v, cache.lengths))
-    return KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths)
+      new_k.append(write_kv(cache.k[i], k, cache.lengths, cache.layout))
+      new_v.append(write_kv(cache.v[i], v, cache.lengths, cache.layout))
+    return cache.replace(k=tuple(new_k), v=tuple(new_v))
 
   def block(self, embeds: jax.Array, cache: KVCache, *, attend_len: int | None = None,
             attn_impl: str = "auto") -> tuple[jax.Array, KVCache]:
@@ -372,10 +373,10 @@ class DFlashModule(nnx.Module):
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
       x, k, v = layer(x, cos, sin, cache.k[i], cache.v[i], cache.lengths, mask,
-                      attend_len, attn_impl)
+                      attend_len, attn_impl, cache.layout)
       new_k.append(k)
       new_v.append(v)
-    return self.norm(x), KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths)
+    return self.norm(x), cache.replace(k=tuple(new_k), v=tuple(new_v))
 
   def forward_masked(self, taps: jax.Array, embeds: jax.Array, block_positions: jax.Array,
                      mask: jax.Array) -> jax.Array:

@@ -67,8 +67,9 @@ class Target:
 
   def new_cache(self, batch: int, capacity: int) -> KVCache:
     c = self.config
-    return KVCache.create(c.num_layers, batch, capacity, c.num_kv_heads, c.head_dim,
-                          self.dtype)
+    """An empty KV cache in the layout this target's attention reads."""
+    return KVCache.for_attention(c.num_layers, batch, capacity, c.num_kv_heads,
+                                 c.head_dim, self.dtype, self.attn_impl)
 
   def forward(self, tokens, positions, cache, tree_mask, *, attend_len=None,
               taps=(), logit_rows=None) -> ModelOutput:

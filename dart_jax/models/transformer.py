@@ -22,7 +22,8 @@ from dart_jax.models import precision as precision_lib
 from dart_jax.models.config import ModelConfig, rope_inv_freq
 from dart_jax.models.moe import MoE
 from dart_jax.models.precision import Precision
-from kernels.tree_attention import tree_attention
+from kernels.tree_attention import TOKEN_MAJOR, cache_layout_for, tree_attention
+from kernels.tree_attention import common as attention_common
 from kernels.tree_attention.ops import resolve_impl
 
 
@@ -30,26 +31,42 @@ from kernels.tree_attention.ops import resolve_impl
 class KVCache:
   """Per-layer key/value buffers and the committed length of each sequence.
 
-  k, v: tuples of L arrays [B, S, Hkv, hd] (one buffer per layer so a decoding
-    step updates each in place when the cache is donated).
+  k, v: tuples of L arrays (one buffer per layer so a decoding step updates each
+    in place when the cache is donated): [B, S, Hkv, hd] token-major (the
+    Pallas kernels' layout) or [B, Hkv, S, hd] head-major (the XLA path's;
+    ``kernels.tree_attention.common`` says why, ``cache_layout_for(attn_impl)``
+    which one an implementation reads).
   lengths: [B] int32, committed entries per sequence.
+  layout: ``TOKEN_MAJOR`` ("bshd") or ``HEAD_MAJOR`` ("bhsd"), static.
   """
 
   k: tuple[jax.Array, ...]
   v: tuple[jax.Array, ...]
   lengths: jax.Array
+  layout: str = flax.struct.field(pytree_node=False, default=TOKEN_MAJOR)
 
   @classmethod
   def create(cls, num_layers: int, batch: int, capacity: int, num_kv_heads: int,
-             head_dim: int, dtype=jnp.float32) -> "KVCache":
-    shape = (batch, capacity, num_kv_heads, head_dim)
+             head_dim: int, dtype=jnp.float32, *, layout: str | None = None
+             ) -> "KVCache":
+    """An empty cache; ``layout`` defaults to what ``attn_impl="auto"`` reads on
+    this backend."""
+    layout = cache_layout_for("auto") if layout is None else layout
+    shape = attention_common.buffer_shape(layout, batch, capacity, num_kv_heads, head_dim)
     return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
                v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-               lengths=jnp.zeros((batch,), jnp.int32))
+               lengths=jnp.zeros((batch,), jnp.int32), layout=layout)
+
+  @classmethod
+  def for_attention(cls, num_layers: int, batch: int, capacity: int, num_kv_heads: int,
+                    head_dim: int, dtype, attn_impl: str) -> "KVCache":
+    """An empty cache in the layout ``attn_impl`` (":interpret" allowed) reads."""
+    return cls.create(num_layers, batch, capacity, num_kv_heads, head_dim, dtype,
+                      layout=cache_layout_for(attn_impl.partition(":")[0]))
 
   @property
   def capacity(self) -> int:
-    return self.k[0].shape[1]
+    return self.v[0].shape[attention_common.seq_axis(self.layout)]
 
   def compact(self, accepted_index: jax.Array, accepted_len: jax.Array) -> "KVCache":
     """Keeps an accepted path of the entries last written at ``lengths``.
@@ -65,10 +82,42 @@ class KVCache:
     src = self.lengths[:, None] + accepted_index
 
     def move(buf):
-      return layers.write_rows(buf, layers.gather_rows(buf, src), self.lengths)
+      return write_kv(buf, read_kv(buf, src, self.layout), self.lengths, self.layout)
 
-    return KVCache(k=tuple(move(b) for b in self.k), v=tuple(move(b) for b in self.v),
-                   lengths=self.lengths + accepted_len.astype(jnp.int32))
+    return self.replace(k=tuple(move(b) for b in self.k), v=tuple(move(b) for b in self.v),
+                        lengths=self.lengths + accepted_len.astype(jnp.int32))
+
+
+def _at_positions(buf: jax.Array, positions: jax.Array, axis: int) -> tuple:
+  """The index ``buf[b, ..., positions[b, j], ...]`` (position axis ``axis``);
+  with the advanced indices first its result is [B, J, (the other two axes)]."""
+  return ((jnp.arange(buf.shape[0])[:, None],) + (slice(None),) * (axis - 1)
+          + (positions,))
+
+
+def write_kv(buf: jax.Array, rows: jax.Array, start: jax.Array, layout: str) -> jax.Array:
+  """Writes ``rows [B, T, Hkv, hd]`` at positions ``start[b] ..`` of one layer's
+  key or value buffer in ``layout``, in place when donated; entries that would
+  land past the capacity are dropped."""
+  axis = attention_common.seq_axis(layout)
+  positions = start[:, None] + jnp.arange(rows.shape[1])[None, :]
+  # A scatter updates only the T positions; a vmapped dynamic_update_slice
+  # becomes a select over the whole buffer, i.e. a full copy per call.
+  return buf.at[_at_positions(buf, positions, axis)].set(rows.astype(buf.dtype),
+                                                         mode="promise_in_bounds")
+
+
+def read_kv(buf: jax.Array, positions: jax.Array, layout: str) -> jax.Array:
+  """Entries ``positions [B, J]`` of one layer's key or value buffer ->
+  [B, J, Hkv, hd]."""
+  return buf[_at_positions(buf, positions, attention_common.seq_axis(layout))]
+
+
+def cache_prefix(buf: jax.Array, length: int, layout: str) -> jax.Array:
+  """The first ``length`` positions of a key or value buffer (static slice)."""
+  index = [slice(None)] * buf.ndim
+  index[attention_common.seq_axis(layout)] = slice(0, length)
+  return buf[tuple(index)]
 
 
 class ModelOutput(NamedTuple):
@@ -99,8 +148,9 @@ class Attention(nnx.Module):
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
 
   def __call__(self, x, cos, sin, k_cache, v_cache, lengths, tree_mask, attend_len,
-               attn_impl):
-    """x: [B, T, in]; caches [B, S, Hkv, hd] -> (out [B, T, out], k_cache, v_cache).
+               attn_impl, cache_layout=TOKEN_MAJOR):
+    """x: [B, T, in]; caches in ``cache_layout`` (see ``KVCache``) ->
+    (out [B, T, out], k_cache, v_cache).
 
     The T new tokens see ``cache[:lengths]`` and the new tokens ``tree_mask``
     allows; their K/V are then written at ``lengths``.
@@ -118,21 +168,23 @@ class Attention(nnx.Module):
       out = tree_attention(q, empty, empty, jnp.zeros((b,), jnp.int32), k, v, tree_mask,
                            impl=impl, interpret=mode == "interpret")
       return self.o_proj(out.reshape(b, t, -1)), None, None
+    impl, _, mode = attn_impl.partition(":")
+    layout = cache_layout
     # Write first, then read: reading the old buffer after an in-place update
     # would make XLA copy the whole cache every call.
-    k_cache = layers.write_rows(k_cache, k, lengths)
-    v_cache = layers.write_rows(v_cache, v, lengths)
-    impl, _, mode = attn_impl.partition(":")
+    k_cache = write_kv(k_cache, k, lengths, layout)
+    v_cache = write_kv(v_cache, v, lengths, layout)
     if resolve_impl(impl) == "xla":
       # XLA reads every cache row it is given: bound the work by attend_len
       # (>= max length). The Pallas kernels skip padding themselves, and a slice
       # would cost them a copy.
-      k_cache_read, v_cache_read = k_cache[:, :attend_len], v_cache[:, :attend_len]
+      k_cache_read = cache_prefix(k_cache, attend_len, layout)
+      v_cache_read = cache_prefix(v_cache, attend_len, layout)
     else:
       k_cache_read, v_cache_read = k_cache, v_cache
     out = tree_attention(q, k_cache_read, v_cache_read, lengths, k.astype(k_cache.dtype),
                          v.astype(v_cache.dtype), tree_mask, impl=impl,
-                         interpret=mode == "interpret")
+                         interpret=mode == "interpret", cache_layout=layout)
     return self.o_proj(out.reshape(b, t, -1)), k_cache, v_cache
 
 
@@ -159,10 +211,10 @@ class Block(nnx.Module):
                                precision=precision)
 
   def __call__(self, x, cos, sin, k_cache, v_cache, lengths, tree_mask, attend_len,
-               attn_impl):
+               attn_impl, cache_layout=TOKEN_MAJOR):
     attn, k_cache, v_cache = self.self_attn(
         self.input_layernorm(x), cos, sin, k_cache, v_cache, lengths, tree_mask,
-        attend_len, attn_impl)
+        attend_len, attn_impl, cache_layout)
     x = x + attn
     x = x + self.mlp(self.post_attention_layernorm(x))
     return x, k_cache, v_cache
@@ -257,7 +309,7 @@ class Transformer(nnx.Module):
         x, k, v = block(x, cos, sin, None, None, None, tree_mask, None, attn_impl)
       else:
         x, k, v = block(x, cos, sin, cache.k[i], cache.v[i], cache.lengths, tree_mask,
-                        attend_len, attn_impl)
+                        attend_len, attn_impl, cache.layout)
       new_k.append(k)
       new_v.append(v)
       hidden_states.append(x)
@@ -267,7 +319,7 @@ class Transformer(nnx.Module):
       x = layers.gather_rows(x, logit_rows)
     logits = self.logits(x) if x.shape[1] else None
     if cache is not None:
-      cache = KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths)
+      cache = cache.replace(k=tuple(new_k), v=tuple(new_v))
     return ModelOutput(logits=logits, cache=cache, taps=tap_out)
 
 

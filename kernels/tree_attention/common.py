@@ -10,6 +10,43 @@ import jax.numpy as jnp
 # the visibility mask zeroes it, instead of exp(-inf - -inf) = NaN.
 MASK_VALUE = -1e30
 
+# KV-cache layouts (keys and values alike).
+# - TOKEN_MAJOR: [B, S, Hkv, hd]. The Pallas kernels read it (viewed as
+#   lane-dense [B, S, Hkv * hd] rows).
+# - HEAD_MAJOR: [B, Hkv, S, hd], the XLA path's (CPU): both attention dots then
+#   batch over (B, Hkv) with the leading axes, where token-major buffers make
+#   XLA:CPU emit one small dot per (b, kv head) or transpose the cache. Measured
+#   on the 2-core CPU, SmolLM2-135M fast mode: a batched decode step (B=64, 512
+#   cached positions) 462 ms token-major, 317 ms head-major (a variant with keys
+#   transposed to [B, Hkv, hd, S] was slower in the model, 426 ms: slicing the
+#   minor axis copies); one-sequence decode 29.2 -> 27.2 ms.
+TOKEN_MAJOR = "bshd"
+HEAD_MAJOR = "bhsd"
+CACHE_LAYOUTS = (TOKEN_MAJOR, HEAD_MAJOR)
+
+
+def seq_axis(cache_layout: str) -> int:
+  """The position axis of a cache buffer in ``cache_layout``."""
+  if cache_layout == TOKEN_MAJOR:
+    return 1
+  if cache_layout == HEAD_MAJOR:
+    return 2
+  raise ValueError(f"unknown cache layout {cache_layout!r}; use one of {CACHE_LAYOUTS}")
+
+
+def buffer_shape(cache_layout: str, batch: int, capacity: int, num_kv_heads: int,
+                 head_dim: int) -> tuple[int, int, int, int]:
+  """The shape of one layer's key or value buffer."""
+  if seq_axis(cache_layout) == 1:
+    return (batch, capacity, num_kv_heads, head_dim)
+  return (batch, num_kv_heads, capacity, head_dim)
+
+
+def cache_dims(cache_shape: tuple[int, ...], cache_layout: str) -> tuple[int, int]:
+  """(S, Hkv) of a cache buffer in ``cache_layout``."""
+  axis = seq_axis(cache_layout)
+  return cache_shape[axis], cache_shape[3 - axis]
+
 
 @dataclasses.dataclass(frozen=True)
 class Dims:
@@ -28,16 +65,18 @@ class Dims:
     return self.num_q_heads // self.num_kv_heads
 
 
-def check_shapes(q, k_cache, v_cache, lengths, k_tree, v_tree, tree_mask) -> Dims:
+def check_shapes(q, k_cache, v_cache, lengths, k_tree, v_tree, tree_mask,
+                 cache_layout: str = TOKEN_MAJOR) -> Dims:
   """Validates the ``tree_attention`` operands and returns their sizes."""
   if q.ndim != 4:
     raise ValueError(f"q must be [B, T, Hq, hd], got shape {q.shape}")
   batch, num_tree, num_q_heads, head_dim = q.shape
   if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+    named = "[B, S, Hkv, hd]" if cache_layout == TOKEN_MAJOR else "[B, Hkv, S, hd]"
     raise ValueError(
-        f"k_cache and v_cache must both be [B, S, Hkv, hd]; got {k_cache.shape} and "
-        f"{v_cache.shape}")
-  _, cache_size, num_kv_heads, _ = k_cache.shape
+        f"k_cache and v_cache must both be {named} ({cache_layout!r}); got "
+        f"{k_cache.shape} and {v_cache.shape}")
+  cache_size, num_kv_heads = cache_dims(k_cache.shape, cache_layout)
   if k_cache.shape[0] != batch or k_cache.shape[3] != head_dim:
     raise ValueError(
         f"cache shape {k_cache.shape} does not match q shape {q.shape} in batch or "

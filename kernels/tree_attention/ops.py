@@ -27,7 +27,14 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
           "rocm": "pallas_gpu"}.get(backend, "xla")
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "scale", "interpret"))
+def cache_layout_for(impl: str, backend: str | None = None) -> str:
+  """The KV-cache layout ``impl`` reads: head-major for the XLA path,
+  token-major for the Pallas kernels (see ``common.CACHE_LAYOUTS``)."""
+  impl = resolve_impl(impl, backend)
+  return common.HEAD_MAJOR if impl == "xla" else common.TOKEN_MAJOR
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "scale", "interpret", "cache_layout"))
 def tree_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -40,13 +47,16 @@ def tree_attention(
     impl: str = "auto",
     scale: float | None = None,
     interpret: bool = False,
+    cache_layout: str = common.TOKEN_MAJOR,
 ) -> jax.Array:
   """Attention of T tree tokens over ``cache[:lengths]`` and the tree under a mask.
 
   Args:
     q: [B, T, Hq, hd] queries of the new (tree) tokens.
-    k_cache, v_cache: [B, S, Hkv, hd]; only ``[:lengths[b]]`` of row b is used
-      (the kernels never read past it, so pass the whole cache, not a slice).
+    k_cache, v_cache: [B, S, Hkv, hd] (token-major), or [B, Hkv, S, hd] with
+      ``cache_layout="bhsd"`` (head-major, the XLA path only); only the first
+      ``lengths[b]`` positions of row b are used (the kernels never read past
+      them, so pass the whole cache, not a slice).
     lengths: [B] int, valid cache entries per row (0 allowed).
     k_tree, v_tree: [B, T, Hkv, hd] keys/values of the tree tokens.
     tree_mask: [B, T, T] bool, ``tree_mask[b, i, j]``: tree token i sees token j.
@@ -55,17 +65,25 @@ def tree_attention(
     scale: softmax scale, default ``hd ** -0.5``.
     interpret: run a Pallas kernel in interpret mode (CPU testing); ignored by
       "xla".
+    cache_layout: "bshd" (token-major, every implementation) or "bhsd"
+      (head-major, "xla"); ``cache_layout_for(impl)`` is the layout each one
+      prefers.
 
   Returns:
     [B, T, Hq, hd] in q's dtype; softmax in float32; a query that sees nothing
     gives zeros. Prefill (causal mask), decode (T=1) and tree verification are
     all this one call.
   """
-  common.check_shapes(q, k_cache, v_cache, lengths, k_tree, v_tree, tree_mask)
+  common.check_shapes(q, k_cache, v_cache, lengths, k_tree, v_tree, tree_mask,
+                      cache_layout)
   impl = resolve_impl(impl)
   args = (q, k_cache, v_cache, lengths, k_tree, v_tree, tree_mask)
+  if impl != "xla" and cache_layout != common.TOKEN_MAJOR:
+    raise ValueError(f"tree_attention impl {impl!r} reads the token-major cache "
+                     f"[B, S, Hkv, hd] ({common.TOKEN_MAJOR!r}); got cache_layout "
+                     f"{cache_layout!r}")
   if impl == "pallas_tpu":
     return pallas_tpu.tree_attention_pallas_tpu(*args, scale=scale, interpret=interpret)
   if impl == "pallas_gpu":
     return pallas_gpu.tree_attention_pallas_gpu(*args, scale=scale, interpret=interpret)
-  return tree_attention_reference(*args, scale=scale)
+  return tree_attention_reference(*args, scale=scale, cache_layout=cache_layout)

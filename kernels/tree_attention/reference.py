@@ -10,10 +10,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-_NEG_INF = -1e30
+from kernels.tree_attention import common
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
+@functools.partial(jax.jit, static_argnames=("scale", "cache_layout"))
 def tree_attention_reference(
     q: jax.Array,
     k_cache: jax.Array,
@@ -24,46 +24,54 @@ def tree_attention_reference(
     tree_mask: jax.Array,
     *,
     scale: float | None = None,
+    cache_layout: str = common.TOKEN_MAJOR,
 ) -> jax.Array:
   """Attention over ``cache[:length] ++ tree`` with a tree mask.
 
   Args:
     q: [B, T, Hq, hd] queries of the tree tokens.
-    k_cache, v_cache: [B, S, Hkv, hd] cached keys/values; only ``[:lengths[b]]``
-      of row b is read.
+    k_cache, v_cache: [B, S, Hkv, hd] cached keys/values (``cache_layout``
+      "bshd"), or [B, Hkv, S, hd] ("bhsd"); only the first ``lengths[b]``
+      positions of row b are read.
     lengths: [B] int, number of valid cache entries per row (0 allowed).
     k_tree, v_tree: [B, T, Hkv, hd] keys/values of the tree tokens.
     tree_mask: [B, T, T] bool, ``tree_mask[b, i, j]``: tree token i sees token j.
     scale: softmax scale, default ``hd ** -0.5``.
+    cache_layout: ``common.TOKEN_MAJOR`` or ``common.HEAD_MAJOR``.
 
   Returns:
     [B, T, Hq, hd] in the dtype of ``q``. Softmax runs in float32. A query row
     that sees nothing (length 0 and an all-false mask row) returns zeros.
   """
   batch, num_tree, num_q_heads, head_dim = q.shape
-  num_kv_heads = k_cache.shape[2]
+  cache_size, num_kv_heads = common.cache_dims(k_cache.shape, cache_layout)
   group = num_q_heads // num_kv_heads
-  scale = head_dim**-0.5 if scale is None else scale
+  scale = common.default_scale(head_dim, scale)
+  token_major = cache_layout == common.TOKEN_MAJOR
+  cache_axes = "bskd" if token_major else "bksd"
   # [B, T, Hkv, G, hd]: query heads grouped under the KV head they share.
   qg = q.reshape(batch, num_tree, num_kv_heads, group, head_dim)
   qg = qg.astype(jnp.float32) * scale
-  s_cache = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache.astype(jnp.float32))
+  # The cache and the tree are scored and weighted apart (one softmax over both
+  # through a shared row max): concatenating them would copy the cache slice.
+  s_cache = jnp.einsum(f"btkgd,{cache_axes}->bkgts", qg, k_cache.astype(jnp.float32))
   s_tree = jnp.einsum("btkgd,bskd->bkgts", qg, k_tree.astype(jnp.float32))
-  cache_valid = jnp.arange(k_cache.shape[1])[None, :] < lengths[:, None]  # [B, S]
-  s_cache = jnp.where(cache_valid[:, None, None, None, :], s_cache, _NEG_INF)
-  s_tree = jnp.where(tree_mask[:, None, None, :, :], s_tree, _NEG_INF)
-  scores = jnp.concatenate([s_cache, s_tree], axis=-1)
-  visible = jnp.concatenate(
-      [
-          jnp.broadcast_to(cache_valid[:, None, :], (batch, num_tree, k_cache.shape[1])),
-          tree_mask,
-      ],
-      axis=-1,
-  )  # [B, T, S+T]
-  probs = jax.nn.softmax(scores, axis=-1)
-  probs = jnp.where(visible[:, None, None], probs, 0.0)
+  cache_valid = (jnp.arange(cache_size)[None, :] < lengths[:, None])[:, None, None, None]
+  tree_valid = tree_mask[:, None, None]  # [B, 1, 1, T, T]
+  s_cache = jnp.where(cache_valid, s_cache, common.MASK_VALUE)
+  s_tree = jnp.where(tree_valid, s_tree, common.MASK_VALUE)
+  row_max = jnp.maximum(s_cache.max(-1), s_tree.max(-1))[..., None]
+  # The masks again after exp: a row that sees nothing has row_max = MASK_VALUE.
+  p_cache = jnp.where(cache_valid, jnp.exp(s_cache - row_max), 0.0)
+  p_tree = jnp.where(tree_valid, jnp.exp(s_tree - row_max), 0.0)
+  denom = p_cache.sum(-1) + p_tree.sum(-1)  # [B, Hkv, G, T]
   # Zero the values past the length too: 0 * garbage (NaN, inf) would leak.
-  v_cache = jnp.where(cache_valid[:, :, None, None], v_cache, 0)
-  values = jnp.concatenate([v_cache, v_tree], axis=1).astype(jnp.float32)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, values)
+  value_valid = cache_valid[:, 0, 0, 0]  # [B, S]
+  value_valid = (value_valid[:, :, None, None] if token_major
+                 else value_valid[:, None, :, None])
+  v_cache = jnp.where(value_valid, v_cache, 0).astype(jnp.float32)
+  out = (jnp.einsum(f"bkgts,{cache_axes}->bkgtd", p_cache, v_cache)
+         + jnp.einsum("bkgts,bskd->bkgtd", p_tree, v_tree.astype(jnp.float32)))
+  out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
+  out = out.transpose(0, 3, 1, 2, 4)  # [B, T, Hkv, G, hd]
   return out.reshape(batch, num_tree, num_q_heads, head_dim).astype(q.dtype)
