@@ -69,8 +69,23 @@ def processed_log_probs(logits: jax.Array, config: SamplingConfig) -> jax.Array:
 def sample(key: jax.Array, logits: jax.Array, config: SamplingConfig) -> jax.Array:
   """One token per row. logits: [..., V] -> [...] int32."""
   if config.greedy:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return greedy_tokens(logits)
   return sample_log_probs(key, processed_log_probs(logits, config))
+
+
+def greedy_tokens(logits: jax.Array) -> jax.Array:
+  """``argmax(logits, -1)`` (the first maximal index) -> [...] int32.
+
+  As a max, then the smallest index holding it: two plain reductions that
+  XLA:CPU vectorises, where ``jnp.argmax``'s (value, index) reduction does not
+  (9 x 49152 logits: 0.37 vs 0.77 ms on the 2-core CPU). A row with a NaN gives
+  the last index instead of the NaN's.
+  """
+  vocab = logits.shape[-1]
+  top = jnp.max(logits, axis=-1, keepdims=True)
+  index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+  first = jnp.min(jnp.where(logits == top, index, vocab), axis=-1)
+  return jnp.minimum(first, vocab - 1).astype(jnp.int32)
 
 
 _BLOCK = 128  # tokens per block of the two-level draw

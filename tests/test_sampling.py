@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from scipy import stats
 
+from dart_jax import sampling
 from dart_jax.sampling import _invert, sample_log_probs
 
 VOCAB = 1000  # 8 blocks of 128, the last one partial
@@ -58,3 +59,16 @@ def test_inversion_never_lands_on_a_zero_weight():
   assert int(_invert(weights, jnp.asarray([0.0]))[0]) == 1
   assert int(_invert(weights, jnp.asarray([0.7]))[0]) == 3
   assert int(_invert(weights, jnp.asarray([0.6]))[0]) == 1
+
+
+def test_greedy_tokens_is_the_first_argmax_including_ties():
+  rng = np.random.default_rng(3)
+  logits = rng.standard_normal((4, 7, 300)).astype(np.float32)
+  logits[0, 0, [5, 17, 200]] = 9.0  # A three-way tie: the first index wins.
+  logits[1, 2, -1] = 50.0
+  logits[2, 3] = -np.inf
+  logits[2, 3, 42] = 0.0
+  got = np.asarray(sampling.greedy_tokens(jnp.asarray(logits)))
+  np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
+  assert got[0, 0] == 5
+  assert got.dtype == np.int32
