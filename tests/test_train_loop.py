@@ -87,3 +87,57 @@ def test_a_head_trains_for_an_moe_target(tmp_path):
   prompt = "What is the capital of France?"
   plain = dj.generate(target, prompt, max_new_tokens=12)
   assert dj.generate(target, prompt, draft=head, max_new_tokens=12).tokens == plain.tokens
+
+
+# Run as the child of the SIGKILL test: the trainer's CLI, except that the process
+# SIGKILLs itself inside the JSON item of the step-40 checkpoint, i.e. while Orbax
+# is writing it (the state item may be half written, nothing is committed).
+_KILL_DURING_CHECKPOINT = """
+import os, signal, sys
+from orbax.checkpoint._src.handlers import json_checkpoint_handler as handler
+save = handler.JsonCheckpointHandler._save_fn
+async def save_or_die(self, item, directory):
+  if '40' in str(directory):
+    os.kill(os.getpid(), signal.SIGKILL)
+  return await save(self, item, directory)
+handler.JsonCheckpointHandler._save_fn = save_or_die
+from train import main
+sys.exit(main.main(sys.argv[1:]))
+"""
+
+
+def test_sigkilled_twice_then_rerun_equals_the_uninterrupted_run(full_run, tmp_path):
+  """SIGKILL mid-run (after the step-20 checkpoint), then SIGKILL during the
+  step-40 checkpoint write, then the same command again: the exported head is
+  the uninterrupted run's."""
+  import subprocess
+  import sys
+  import time
+
+  workdir = str(tmp_path / "killed")
+  args = ["--config", "tiny", "--workdir", workdir] + OVERRIDES
+  env = dict(os.environ, PYTHONPATH=os.getcwd())
+  first = subprocess.Popen([sys.executable, "-m", "train.main"] + args, env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  committed = os.path.join(workdir, "checkpoints", "20")
+  deadline = time.time() + 600
+  while not os.path.isdir(committed) and first.poll() is None and time.time() < deadline:
+    time.sleep(0.01)
+  first.kill()  # SIGKILL
+  assert first.wait() == -9, "the first run ended before it could be killed"
+  second = subprocess.run([sys.executable, "-c", _KILL_DURING_CHECKPOINT] + args, env=env,
+                          capture_output=True, text=True, timeout=600)
+  assert second.returncode == -9, second.stderr[-2000:]
+  assert not os.path.exists(os.path.join(workdir, "export"))
+  assert not os.path.isdir(os.path.join(workdir, "checkpoints", "40"))
+  third = subprocess.run([sys.executable, "-m", "train.main"] + args, env=env,
+                         capture_output=True, text=True, timeout=600)
+  assert third.returncode == 0, third.stderr[-2000:]
+  assert "resumed from step 20" in third.stderr
+  steps = [r["step"] for r in _records(workdir) if r["split"] == "train"]
+  assert steps == [10, 20, 30, 40, 50, 60]
+  ours = load_file(os.path.join(workdir, "export", "model.safetensors"))
+  reference = load_file(os.path.join(full_run, "export", "model.safetensors"))
+  assert set(ours) == set(reference)
+  for name in reference:
+    np.testing.assert_allclose(ours[name], reference[name], rtol=0, atol=1e-6, err_msg=name)

@@ -578,6 +578,7 @@ def regenerate(target, data_paths: Sequence[str], out_path: str, *, max_new_toke
   bar = tqdm(total=len(valid), initial=written, unit="conv", disable=not progress,
              desc="regenerate")
   tokenizer = target.tokenizer
+  new_tokens, generate_s = 0, 0.0  # This run's, for the tokens/s on the bar.
   for j in range(start, end):
     batch = batches[j]
     histories = [list(head) for _, (head, _) in batch]
@@ -601,6 +602,9 @@ def regenerate(target, data_paths: Sequence[str], out_path: str, *, max_new_toke
                         seed=seed + j * 1009 + r)
       for b, text in zip(rows, out.text):
         histories[b].append({"role": "assistant", "content": text})
+      new_tokens += out.stats.new_tokens
+      generate_s += out.stats.total_s
+      bar.set_postfix(tok_s=f"{new_tokens / max(generate_s, 1e-9):.0f}")
     lines = []
     for (index, _), history in zip(batch, histories):
       if not any(m["role"] == "assistant" for m in history):
@@ -616,7 +620,9 @@ def regenerate(target, data_paths: Sequence[str], out_path: str, *, max_new_toke
   bar.close()
   return {"written": written, "skipped": skipped, "unanswered": unanswered,
           "malformed": stats.malformed,
-          "batches_done": end, "batches_total": len(batches)}
+          "batches_done": end, "batches_total": len(batches),
+          "new_tokens": new_tokens, "generate_s": round(generate_s, 3),
+          "tokens_per_s": round(new_tokens / generate_s, 1) if generate_s else 0.0}
 
 
 # --------------------------------------------------------------------- CLI

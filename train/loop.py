@@ -323,12 +323,25 @@ def place_target(target, mesh):
 
 
 class MetricsLog:
-  """stdout lines (through tqdm) and ``WORKDIR/metrics.jsonl``; process 0 only."""
+  """stdout lines (through tqdm) and ``WORKDIR/metrics.jsonl``; process 0 only.
 
-  def __init__(self, workdir: str, enabled: bool, bar=None):
+  resume_step: the step training restarts from; records of later steps (written
+  by a run that died before its next checkpoint) are dropped, so the file reads
+  as one uninterrupted run.
+  """
+
+  def __init__(self, workdir: str, enabled: bool, bar=None, resume_step: int = 0):
     self.enabled = enabled
     self.bar = bar
     self.path = os.path.join(workdir, "metrics.jsonl")
+    if enabled and os.path.exists(self.path):
+      with open(self.path, encoding="utf-8") as f:
+        lines = f.read().splitlines(keepends=True)
+      kept = [line for line in lines if line.endswith("\n") and
+              json.loads(line).get("step", 0) <= resume_step]
+      if len(kept) != len(lines):
+        with open(self.path, "w", encoding="utf-8") as f:
+          f.writelines(kept)
 
   def write(self, record: dict) -> None:
     if not self.enabled:
@@ -550,7 +563,8 @@ def train(config: TrainConfig, workdir: str, *,
     from tqdm import tqdm
     bar = tqdm(total=config.steps, initial=start, unit="step", dynamic_ncols=True,
                disable=not (config.progress and is_main))
-    logger = MetricsLog(workdir, is_main, bar if config.progress else None)
+    logger = MetricsLog(workdir, is_main, bar if config.progress else None,
+                        resume_step=start)
     eval_key = jax.random.PRNGKey(config.seed + 1)
 
     def run_eval(step: int) -> None:
