@@ -19,7 +19,6 @@ import numpy as np
 from flax import nnx
 
 from dart_jax.errors import InputError
-from dart_jax.models import precision as precision_lib
 from dart_jax.models.target import Target
 from dart_jax.profiling import CompileWatch
 from dart_jax.sampling import KeySequence, SamplingConfig, sample
@@ -134,9 +133,8 @@ def prefill(graphdef, params, cache, tokens, prompt_lens, key, *, sampling, taps
   positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
   col = jnp.arange(length)
   mask = (col[None, :] <= col[:, None])[None] & (col[None, None, :] < prompt_lens[:, None, None])
-  with precision_lib.prefill_dots():
-    out = model(tokens, positions, cache, mask, attend_len=1, taps=taps,
-                logit_rows=(prompt_lens - 1)[:, None], attn_impl=attn_impl)
+  out = model(tokens, positions, cache, mask, attend_len=1, taps=taps,
+              logit_rows=(prompt_lens - 1)[:, None], attn_impl=attn_impl)
   first = sample(key, out.logits[:, 0], sampling)
   return first, out.cache.replace(lengths=prompt_lens.astype(jnp.int32)), out.taps
 

@@ -77,28 +77,6 @@ def test_one_row_bf16_dot_is_padded_and_equals_the_row_of_a_larger_call():
                              rtol=1e-6, atol=1e-6)
 
 
-def test_prefill_dots_run_split3_as_rows_only_inside_the_context():
-  rng = np.random.default_rng(5)
-  w = jnp.asarray(rng.standard_normal((300, 96)) * 0.05, jnp.bfloat16)
-  x = jnp.asarray(_activations(40, 96, seed=6))
-
-  def run(a):
-    with precision.prefill_dots():
-      return matmul(a, w, FAST, transposed=True)
-
-  inside = np.asarray(jax.jit(run)(x))
-  outside = np.asarray(jax.jit(lambda a: matmul(a, w, FAST, transposed=True))(x))
-  rows = np.asarray(jax.jit(lambda a: matmul(a, w, FAST_ROWS, transposed=True))(x))
-  np.testing.assert_array_equal(inside, rows)
-  assert np.abs(inside - outside).max() > 0  # split3 keeps bits the rows lose
-  # A float32 model is untouched by the context.
-  w32 = w.astype(jnp.float32)
-  plain = np.asarray(matmul(x, w32, FLOAT32, transposed=True))
-  with precision.prefill_dots():
-    np.testing.assert_array_equal(np.asarray(matmul(x, w32, FLOAT32, transposed=True)),
-                                  plain)
-
-
 def test_resolve_modes_names_dtypes_and_errors():
   assert precision.resolve(None) is FAST  # the CPU default
   assert precision.resolve("float32") is FLOAT32

@@ -25,10 +25,8 @@ one-row bf16 dot takes a slow path, so one-row ``fast-rows`` dots are padded to
 two rows (``fast`` has three rows per input row already).
 """
 
-import contextlib
-import contextvars
 import dataclasses
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -156,27 +154,6 @@ def sum_split3(parts: jax.Array) -> jax.Array:
   return parts[0] + (parts[1] + parts[2])
 
 
-_PREFILL_ROWS = contextvars.ContextVar("dart_jax_prefill_rows", default=False)
-
-
-@contextlib.contextmanager
-def prefill_dots() -> Iterator[None]:
-  """Inside (at trace time), ``split3`` dots run in the ``rows`` form.
-
-  For the prompt pass only. Its cost grows with the rows, and at prefill sizes
-  the three-part split costs three times the rows form (B=64 prompts of ~100
-  tokens: 9.8 s vs ~3 s on the 2-core CPU), with no cheaper exact form (float32
-  dots cost as much as split3 there). Losslessness does not need it exact: every
-  method (plain decoding, DART, DARTree) runs this same prefill, and only the
-  decode / verify calls after it must agree with each other row for row.
-  """
-  token = _PREFILL_ROWS.set(True)
-  try:
-    yield
-  finally:
-    _PREFILL_ROWS.reset(token)
-
-
 def matmul(x: jax.Array, w: jax.Array, precision: Precision, *,
            transposed: bool = False) -> jax.Array:
   """``x @ w`` as ``precision`` says; the library's only dense-layer dot.
@@ -193,13 +170,10 @@ def matmul(x: jax.Array, w: jax.Array, precision: Precision, *,
   lead = x.shape[:-1]
   rows = x.reshape(-1, x.shape[-1])
   m = rows.shape[0]
-  dot = precision.dot
-  if dot == "split3" and _PREFILL_ROWS.get():
-    dot = "rows"
-  if dot == "native":
+  if precision.dot == "native":
     out = jax.lax.dot_general(rows.astype(w.dtype), w, (contract, ((), ())),
                               preferred_element_type=precision.dtype)
-  elif dot == "split3":
+  elif precision.dot == "split3":
     parts = jax.lax.dot_general(split3(rows.astype(jnp.float32)), w, (contract, ((), ())),
                                 preferred_element_type=jnp.float32).reshape(3, m, -1)
     out = sum_split3(parts)
