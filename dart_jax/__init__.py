@@ -9,7 +9,9 @@
 """
 
 from dart_jax import ngram, tree
+from dart_jax.draft.dart_gru import DartGruDrafter, load_dart_gru, save_dart_gru
 from dart_jax.draft.dart_head import DartConfig, DartHead, load_dart, save_dart
+from dart_jax.draft.dflash import DFlashDrafter, load_dflash, load_domino, save_dflash
 from dart_jax.errors import CheckpointError, ConfigError, DartJaxError, InputError
 from dart_jax.generate import GenerateOutput, GenerateStats, generate, generate_stream
 from dart_jax.models import ModelConfig, Precision, Target, load_target, precision
@@ -18,16 +20,9 @@ from dart_jax.ngram import load_ngram
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointError", "ConfigError", "DartConfig", "DartHead", "DartJaxError",
-    "GenerateOutput", "GenerateStats", "InputError", "ModelConfig", "Precision", "Target",
-    "generate", "generate_stream", "load_dart", "load_ngram", "load_target", "ngram",
-    "precision", "save_dart", "tree",
+    "CheckpointError", "ConfigError", "DFlashDrafter", "DartConfig", "DartGruDrafter",
+    "DartHead", "DartJaxError", "GenerateOutput", "GenerateStats", "InputError",
+    "ModelConfig", "Precision", "Target", "generate", "generate_stream", "load_dart",
+    "load_dart_gru", "load_dflash", "load_domino", "load_ngram", "load_target", "ngram",
+    "precision", "save_dart", "save_dart_gru", "save_dflash", "tree",
 ]
-
-from dart_jax.draft.dflash import DFlashDrafter, load_dflash, load_domino, save_dflash
-
-__all__ += ["DFlashDrafter", "load_dflash", "load_domino", "save_dflash"]
-
-from dart_jax.draft.dart_gru import DartGruDrafter, load_dart_gru, save_dart_gru
-
-__all__ += ["DartGruDrafter", "load_dart_gru", "save_dart_gru"]

@@ -20,24 +20,55 @@ depth_bonus=-0.2)`` or the same names as keyword arguments.
 
 import dataclasses
 import functools
+from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dart_jax.decode.ar import prefill
+from dart_jax.draft.dart_gru import DartGruModule
 from dart_jax.draft.dflash import DFlashDrafter, draft_block
 from dart_jax.errors import InputError
-from dart_jax.generate import prefill
 from dart_jax.models import layers
 from dart_jax.models.target import Target
 from dart_jax.models.transformer import KVCache
 from dart_jax.profiling import PhaseTimer, Wrap, no_wrap
 from dart_jax.sampling import KeySequence, SamplingConfig
-from dart_jax.speculative import verify_trees
+from dart_jax.speculative import root_tokens, verify_trees
 from dart_jax.tree.dartree import (CORRECTED_METHODS, DARTreeConfig, dartree_build,
                                    num_tree_nodes, resolve_method)
 from dart_jax.verify import accept_tree
+
+
+@dataclasses.dataclass(frozen=True)
+class CorrectedTrees:
+  """DART-GRU's search phase (a ``speculative.TreeBuilder``, run inside DART's
+  round): ``dartree_build`` over the D+1 DART levels, with the correction for
+  the corrected methods and the head's ``d2t`` mapping draft ids to target ids.
+
+  method: a ``dart_jax.tree.dartree.TREE_METHODS`` name; num_nodes: N of its trees.
+  """
+
+  method: str
+  tree: DARTreeConfig
+  num_nodes: int
+
+  @property
+  def needs_hidden(self) -> bool:
+    return self.method in CORRECTED_METHODS
+
+  def __call__(self, target_model, head: DartGruModule, state) -> Any:
+    build = lambda lg, r, h: dartree_build(lg, r, h, self.tree, method=self.method,
+                                           d2t=head.dart.d2t[...])
+    roots = root_tokens(state)
+    if not self.needs_hidden:
+      return jax.vmap(lambda lg, r: build(lg, r, None))(state.draft_logits, roots)
+    correction = head.correction_head(target_model.embed_tokens.embedding[...],
+                                      state.draft_hidden)  # z: [B, D+1, E]
+    return jax.vmap(lambda lg, r, z: build(lg, r, correction.replace(z=z)))(
+        state.draft_logits, roots, correction.z)
 
 
 @flax.struct.dataclass

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dart_jax.decode.ar import prefill
 from dart_jax.draft.dart_head import DartHead
 from dart_jax.errors import InputError
-from dart_jax.generate import prefill
 from dart_jax.models import layers
 from dart_jax.models.target import Target
 from dart_jax.models.transformer import KVCache

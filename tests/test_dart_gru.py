@@ -12,7 +12,9 @@ import pytest
 from flax import nnx
 
 import dart_jax as dj
-from dart_jax.draft.dart_gru import CORRECTION_CONFIG, CorrectedTrees
+from dart_jax.dartree_decode import CorrectedTrees
+from dart_jax.decode.methods import make_decoder
+from dart_jax.draft.dart_gru import CORRECTION_CONFIG
 from dart_jax.models import Target
 from dart_jax.sampling import SamplingConfig
 from dart_jax.speculative import root_tokens
@@ -101,8 +103,8 @@ def test_draft_vocabulary_tree_equals_the_scattered_target_vocabulary_tree(metho
 def _prefill(target, drafter, prompts):
   """The decoder's own prefill, with the shapes ``generate`` uses in the test
   above (batch 4, 32 prompt columns, capacity 256): its compiled code is reused."""
-  decoder = drafter.make_decoder(target, sampling=SamplingConfig(), tree="chain",
-                                 tree_config=TREE)
+  decoder = make_decoder(target, SamplingConfig(), 0, drafter, tree="chain",
+                         tree_config=TREE)
   tokens = np.zeros((len(prompts), 32), np.int32)
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p

@@ -20,6 +20,7 @@ from flax import nnx
 
 import dart_jax as dj
 from dart_jax.dartree_decode import DARTreeDecoder
+from dart_jax.decode.methods import make_decoder
 from dart_jax.models import ModelConfig, Target
 from dart_jax.ngram import NGram
 from dart_jax.sampling import SamplingConfig, processed_log_probs
@@ -255,13 +256,13 @@ def test_bad_arguments_give_clear_errors(tiny):
     dj.generate(other, [1, 2], draft=domino)
   # Option plumbing (no compile): a config as tree=, keyword overrides.
   greedy = SamplingConfig()
-  decoder = domino.make_decoder(target, sampling=greedy, tree=TREE)
+  decoder = make_decoder(target, greedy, 0, domino, tree=TREE)
   assert (decoder.method, decoder.tree_config, decoder.scratch_rows) == ("dartree", TREE, 9)
-  decoder = domino.make_decoder(target, sampling=greedy, tree="dartree-fixed", budget=5,
-                                topk=2)
+  decoder = make_decoder(target, greedy, 0, domino, tree="dartree-fixed", budget=5,
+                         topk=2)
   assert decoder.tree_config == DARTreeConfig(topk=2, budget=5) and decoder.num_nodes == 5
-  assert dflash.make_decoder(target, sampling=greedy, tree="chain").method == "dflash-chain"
-  assert domino.make_decoder(target, sampling=greedy, tree="chain").num_nodes == BLOCK - 1
+  assert make_decoder(target, greedy, 0, dflash, tree="chain").method == "dflash-chain"
+  assert make_decoder(target, greedy, 0, domino, tree="chain").num_nodes == BLOCK - 1
 
 
 @pytest.mark.parametrize("target_fixture", ["smollm2", "smollm2_float32"])

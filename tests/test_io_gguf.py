@@ -12,7 +12,7 @@ from gguf import quants
 
 from dart_jax.errors import CheckpointError, ConfigError
 from dart_jax.io import Tokenizer, embedded_gguf_path, read_gguf
-from dart_jax.io import default_model, read_safetensors_dir
+from dart_jax.io import default_model, gguf_io, read_safetensors_dir
 from tests.test_io_tokenizer import byte_alphabet
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "smollm2_gguf_greedy.json"
@@ -280,7 +280,7 @@ def test_unsupported_rope_scaling(tmp_path):
 
 def test_tiny_tokenizer_from_gguf(tmp_path):
   path = write_tiny_gguf(tmp_path / "t.gguf")
-  tok = Tokenizer.from_gguf(str(path))
+  tok = gguf_io.tokenizer_from_gguf(str(path))
   he, the, think = (TINY_TOKENS.index(t) for t in ("he", "Ġthe", "<think>"))
   byte = lambda c: 3 + ord(c)  # Bytes follow the 3 control tokens.
   assert tok.encode(" the he") == [the, byte(" "), he]
@@ -301,16 +301,16 @@ def test_tiny_tokenizer_from_gguf(tmp_path):
 def test_gguf_pre_tokenizers(tmp_path):
   ids = {t: TINY_TOKENS.index(t) for t in ("12", "123", "34", "xyz")}
   byte = lambda c: 3 + ord(c)
-  smollm = Tokenizer.from_gguf(write_tiny_gguf(tmp_path / "s.gguf"))
+  smollm = gguf_io.tokenizer_from_gguf(write_tiny_gguf(tmp_path / "s.gguf"))
   # Every digit its own pre-token; no whole-word lookup for "xyz".
   assert smollm.encode("1234") == [byte(c) for c in "1234"]
   assert smollm.encode("xyz") == [byte(c) for c in "xyz"]
-  llama3 = Tokenizer.from_gguf(write_tiny_gguf(tmp_path / "l.gguf", pre="llama-bpe",
+  llama3 = gguf_io.tokenizer_from_gguf(write_tiny_gguf(tmp_path / "l.gguf", pre="llama-bpe",
                                                add_bos=None))
   # Digits in groups of up to three, then merges; whole words looked up first.
   assert llama3.encode("1234") == [1, ids["123"], byte("4")]  # BOS 1 by default.
   assert llama3.encode("xyz") == [1, ids["xyz"]]
-  gpt2 = Tokenizer.from_gguf(write_tiny_gguf(tmp_path / "g.gguf", pre="gpt-2"))
+  gpt2 = gguf_io.tokenizer_from_gguf(write_tiny_gguf(tmp_path / "g.gguf", pre="gpt-2"))
   assert gpt2.encode("1234") == [ids["12"], ids["34"]]  # One pre-token "1234".
 
 

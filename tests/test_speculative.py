@@ -96,7 +96,7 @@ def test_eos_and_max_new_tokens_stop_at_the_same_place(tiny):
 def test_generate_ranks_the_target_eos_last_unless_told_otherwise(smollm2):
   """``generate``'s DART decoder applies the reference's EOS rule with the target's
   EOS (the tokenizer's), unless the tree config names an id or None."""
-  from dart_jax.generate import make_decoder
+  from dart_jax.decode.methods import make_decoder
 
   head = dj.load_dart(target=smollm2)
   eos = smollm2.tokenizer.eos_token_ids[0]

@@ -47,11 +47,11 @@ from flax import nnx
 from dart_jax.draft.dart_head import DartConfig, DartHead, DartHeadModule, load_dart, save_dart
 from dart_jax.draft.dflash import GRU, correction_head_of, released_name
 from dart_jax.errors import CheckpointError, ConfigError
+from dart_jax.io.safetensors_io import read_json, read_safetensors_file
 from dart_jax.models import checkpoint, layers
 from dart_jax.models import precision as precision_lib
 from dart_jax.models.precision import Precision
-from dart_jax.tree.dartree import (CORRECTED_METHODS, CorrectionHead, DARTreeConfig,
-                                   dartree_build, num_tree_nodes)
+from dart_jax.tree.dartree import CorrectionHead, DARTreeConfig
 
 CORRECTION_CONFIG = "correction.json"
 CORRECTION_WEIGHTS = "correction.safetensors"
@@ -189,37 +189,6 @@ class DartGruModule(nnx.Module):
     return self.correction.correction_head(embed_table, hidden)
 
 
-@dataclasses.dataclass(frozen=True)
-class CorrectedTrees:
-  """DART-GRU's search phase (a ``speculative.TreeBuilder``): ``dartree_build``
-  over the D+1 DART levels, with the correction for the corrected methods and
-  the head's ``d2t`` mapping draft ids to target ids.
-
-  method: a ``dart_jax.tree.dartree.TREE_METHODS`` name; num_nodes: N of its trees.
-  """
-
-  method: str
-  tree: DARTreeConfig
-  num_nodes: int
-
-  @property
-  def needs_hidden(self) -> bool:
-    return self.method in CORRECTED_METHODS
-
-  def __call__(self, target_model, head: DartGruModule, state) -> Any:
-    from dart_jax.speculative import root_tokens  # Avoids an import cycle.
-
-    build = lambda lg, r, h: dartree_build(lg, r, h, self.tree, method=self.method,
-                                           d2t=head.dart.d2t[...])
-    roots = root_tokens(state)
-    if not self.needs_hidden:
-      return jax.vmap(lambda lg, r: build(lg, r, None))(state.draft_logits, roots)
-    correction = head.correction_head(target_model.embed_tokens.embedding[...],
-                                      state.draft_hidden)  # z: [B, D+1, E]
-    return jax.vmap(lambda lg, r, z: build(lg, r, correction.replace(z=z)))(
-        state.draft_logits, roots, correction.z)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class DartGruDrafter:
   """A DART head + GRU correction, used functionally.
@@ -265,23 +234,6 @@ class DartGruDrafter:
     """Raises ConfigError if the DART head was built for another target."""
     self.dart_head().check_target(target)
 
-  def make_decoder(self, target, *, sampling, seed: int = 0, ngram=None,
-                   tree="dartree", tree_config: DARTreeConfig | None = None,
-                   profile: bool = False, **overrides):
-    """The speculative decoder ``generate`` uses for ``draft=drafter``."""
-    from dart_jax.dartree_decode import tree_options  # Avoid import cycles.
-    from dart_jax.errors import InputError
-    from dart_jax.speculative import DartDecoder
-
-    if ngram is not None:
-      raise InputError("DART-GRU trees use no N-gram model; drop ngram=...")
-    method, tree_config = tree_options(tree, tree_config, overrides, True)
-    c = self.config
-    builder = CorrectedTrees(method, tree_config, num_tree_nodes(
-        method, tree_config, c.num_levels, c.draft_vocab_size))
-    return DartDecoder(target, self, sampling=sampling, seed=seed, profile=profile,
-                       builder=builder)
-
 
 def save_dart_gru(drafter: DartGruDrafter, path: str | os.PathLike, *, dtype=None) -> None:
   """Writes the DART head (``save_dart``'s format) and the correction into ``path``.
@@ -312,8 +264,6 @@ def load_dart_gru(path: str | os.PathLike, target=None, *, dtype=None) -> DartGr
   tensors of the wrong shape, ConfigError when the correction does not fit the
   head next to it or the head does not fit the target.
   """
-  from dart_jax.io.safetensors_io import _read_safetensors_file, read_json
-
   directory = pathlib.Path(path).expanduser()
   head = load_dart(directory, target, dtype=dtype)
   config_path = directory / CORRECTION_CONFIG
@@ -326,7 +276,7 @@ def load_dart_gru(path: str | os.PathLike, target=None, *, dtype=None) -> DartGr
                             "correction with head.kind=dart_gru")
   config = DartGruConfig.from_json(read_json(config_path, "DART-GRU correction config"),
                                    head.config, str(config_path))
-  tensors = _read_safetensors_file(weights_path, np.float32)
+  tensors = read_safetensors_file(weights_path, np.float32)
   graphdef, params = checkpoint.state_from_tensors(
       lambda: CorrectionModule(config, rngs=nnx.Rngs(0),
                                precision=precision_lib.of_drafter(dtype, target)), tensors,

@@ -21,6 +21,8 @@ from dart_jax.models import precision as precision_lib
 from dart_jax.models.config import RopeScaling, rope_from_hf, rope_inv_freq
 from dart_jax.models.precision import Precision
 from dart_jax.models.transformer import Attention, KVCache
+from dart_jax.io import embedded_dart_dir, embedded_tree_config, read_safetensors_dir
+from dart_jax.tree import TreeConfig
 
 
 class Buffer(nnx.Variable):
@@ -318,13 +320,6 @@ class DartHead:
     if problems:
       raise ConfigError("DART head does not fit this target: " + "; ".join(problems))
 
-  def make_decoder(self, target, *, sampling, seed=0, ngram=None, tree=None, **kwargs):
-    """The speculative decoder ``generate`` uses for ``draft=head``."""
-    from dart_jax.speculative import DartDecoder  # Avoids an import cycle.
-
-    return DartDecoder(target, self, sampling=sampling, seed=seed, ngram=ngram,
-                       tree=tree if tree is not None else self.tree, **kwargs)
-
 
 def save_dart(head: DartHead, path: str | os.PathLike, *, dtype=None) -> None:
   """Writes ``head`` in the reference release's format (config.json +
@@ -362,7 +357,6 @@ def load_dart(path: str | os.PathLike | None = None, target=None, *, dtype=None
   Raises CheckpointError for missing/corrupt files and ConfigError when the head
   does not fit the target (vocabulary, hidden size, layer count).
   """
-  from dart_jax.io import embedded_dart_dir, embedded_tree_config, read_safetensors_dir
 
   shipped = path is None
   path = embedded_dart_dir() if shipped else path
@@ -379,7 +373,6 @@ def load_dart(path: str | os.PathLike | None = None, target=None, *, dtype=None
   if target is not None:
     head.check_target(target)
   if shipped:
-    from dart_jax.tree import TreeConfig  # Local import: tree imports this module's users.
 
     head = dataclasses.replace(head, tree=TreeConfig(**embedded_tree_config()))
   return head

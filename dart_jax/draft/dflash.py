@@ -47,6 +47,7 @@ from dart_jax.models.config import RopeScaling, rope_from_hf, rope_inv_freq
 from dart_jax.models.precision import Precision
 from dart_jax.models.transformer import TOKEN_MAJOR, Attention, KVCache, write_kv
 from dart_jax.tree.dartree import CorrectionHead
+from dart_jax.io import read_safetensors_dir, write_safetensors_dir
 
 PROJECTOR_DOMINO = "domino"
 
@@ -588,19 +589,10 @@ class DFlashDrafter:
       raise ConfigError("DFlash drafter does not fit this target: " + "; ".join(problems)
                         + "; load the drafter made for this target")
 
-  def make_decoder(self, target, *, sampling, seed: int = 0, ngram=None,
-                   tree="dartree", **kwargs):
-    """The speculative decoder ``generate`` uses for ``draft=drafter``."""
-    from dart_jax.dartree_decode import DARTreeDecoder  # Avoids an import cycle.
-
-    return DARTreeDecoder(target, self, sampling=sampling, seed=seed, ngram=ngram,
-                          tree=tree, **kwargs)
-
 
 def save_dflash(drafter: DFlashDrafter, path: str | os.PathLike) -> None:
   """Writes ``drafter`` in the released format (config.json + model.safetensors,
   linear weights [out, in], GRU weights in torch layout)."""
-  from dart_jax.io import write_safetensors_dir
 
   tensors = checkpoint.tensors_from_state(drafter.params, released_name)
   tensors = {k: v.astype(np.float32) for k, v in tensors.items()}
@@ -613,7 +605,6 @@ def load_dflash(path: str | os.PathLike, target, *, dtype=None) -> DFlashDrafter
   Raises CheckpointError for missing / corrupt / mis-shaped tensors and
   ConfigError for a config that is invalid or does not fit the target.
   """
-  from dart_jax.io import read_safetensors_dir
 
   path = os.fspath(path)
   hf, tensors = read_safetensors_dir(path)

@@ -15,6 +15,7 @@ import tempfile
 import time
 
 from dart_jax.errors import CheckpointError
+from dart_jax.io import gguf_io, safetensors_io
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,6 @@ def write_converted_dir(out_dir: str | os.PathLike, hf_config: dict, tensors: di
   into place, so an interrupted write never leaves a half-written ``out_dir``.
   An existing ``out_dir`` is replaced.
   """
-  from dart_jax.io import safetensors_io
 
   out_dir = pathlib.Path(out_dir).expanduser().absolute()
   out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -137,7 +137,6 @@ def write_converted_dir(out_dir: str | os.PathLike, hf_config: dict, tensors: di
 def convert_gguf_to_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
                         stamp: dict | None = None) -> pathlib.Path:
   """Converts a Llama GGUF into a HF directory (float32), atomically."""
-  from dart_jax.io import gguf_io
 
   hf_config, tensors, tokenizer = gguf_io.read_gguf(gguf_path)
   return write_converted_dir(out_dir, hf_config, tensors, tokenizer, stamp)

@@ -92,8 +92,8 @@ def _cast(array: np.ndarray, dtype: Any) -> np.ndarray:
   return np.asarray(array, dtype=dtype)
 
 
-def _read_safetensors_file(path: pathlib.Path, dtype: np.dtype | None
-                           ) -> dict[str, np.ndarray]:
+def read_safetensors_file(path: pathlib.Path, dtype: np.dtype | None
+                          ) -> dict[str, np.ndarray]:
   """All tensors of one ``.safetensors`` file as numpy arrays."""
   import safetensors  # Lazy: keeps `import dart_jax` light.
 
@@ -169,7 +169,7 @@ def read_safetensors_dir(path: str | os.PathLike, dtype: Any = np.float32
   files, promised = _shard_files(directory)
   tensors: dict[str, np.ndarray] = {}
   for file in files:
-    for name, array in _read_safetensors_file(file, dtype).items():
+    for name, array in read_safetensors_file(file, dtype).items():
       if name in tensors:
         raise CheckpointError(f"tensor {name!r} appears in more than one shard "
                               f"(again in {file})")

@@ -1,11 +1,11 @@
-"""Tokenizers: HF ``tokenizer.json`` directories and GGUF vocabularies.
+"""Tokenizers: HF ``tokenizer.json`` directories (GGUF vocabularies are rebuilt into
+this class by ``gguf_io.tokenizer_from_gguf``).
 
 ``Tokenizer`` wraps a ``tokenizers.Tokenizer`` and adds what generation needs:
 BOS handling, EOS ids, the chat template, and a streaming decoder.
 """
 
 import json
-import logging
 import os
 import pathlib
 from typing import Any, Iterable, Mapping, Sequence
@@ -13,29 +13,11 @@ from typing import Any, Iterable, Mapping, Sequence
 from dart_jax.errors import CheckpointError, ConfigError
 from dart_jax.io import chat_template as chat_template_lib
 
-logger = logging.getLogger(__name__)
-
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
-# llama.cpp token types (tokenizer.ggml.token_type).
-_GGUF_CONTROL = 3
-_GGUF_USER_DEFINED = 4
-
-# Llama-3 pre-tokenizer split (llama.cpp "llama-bpe"): letters, 1-3 digit groups,
-# punctuation runs, newlines, spaces.
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-# `tokenizer.ggml.pre` values whose vocab was trained with every digit its own
-# pre-token, followed by the GPT-2 byte-level split (SmolLM, StarCoder).
-_DIGIT_SPLIT_PRE = frozenset({"smollm", "starcoder", "refact"})
-_LLAMA3_PRE = frozenset({"llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3"})
-# Of those, the ones llama.cpp treats as Llama 3 proper: whole-word vocabulary
-# lookups before merges ("ignore merges") and BOS added unless the file says no.
-_LLAMA3_PROPER_PRE = frozenset({"llama-bpe", "llama3", "llama-v3", "falcon3"})
-_GPT2_PRE = frozenset({"default", "gpt-2", "gpt2"})
 
 
 def _token_id(backend, token: Any) -> int | None:
@@ -272,72 +254,3 @@ class Tokenizer:
       f.write("\n")
     return directory
 
-  # ------------------------------------------------------------------ GGUF
-
-  @classmethod
-  def from_gguf(cls, reader_or_path) -> "Tokenizer":
-    """Rebuilds the tokenizer stored in a GGUF file's metadata.
-
-    Supports byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``),
-    which is what llama.cpp writes for SmolLM, Llama 3 and most BPE models.
-    """
-    from dart_jax.io import gguf_io
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as Backend
-
-    reader = gguf_io.open_gguf(reader_or_path)
-    where = gguf_io.reader_path(reader)
-    fields = gguf_io.GGUFFields(reader)
-    kind = fields.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-      raise ConfigError(
-          f"{where}: GGUF tokenizer type {kind!r} is not supported (only byte-level "
-          "BPE, 'gpt2'); convert the model to a HF directory with tokenizer.json")
-    tokens = fields.require("tokenizer.ggml.tokens")
-    merges = fields.get("tokenizer.ggml.merges") or []
-    token_types = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    if len(token_types) != len(tokens):
-      raise CheckpointError(f"{where}: {len(tokens)} tokens but {len(token_types)} "
-                            "token types")
-
-    pre = fields.get("tokenizer.ggml.pre") or "default"
-    ignore_merges = False
-    if pre in _DIGIT_SPLIT_PRE:
-      pre_tokenizer = pre_tokenizers.Sequence([
-          pre_tokenizers.Digits(individual_digits=True),
-          pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    elif pre in _LLAMA3_PRE:
-      pre_tokenizer = pre_tokenizers.Sequence([
-          pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
-          pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-      # llama.cpp and HF's Llama 3 tokenizer take a whole pre-token that is in
-      # the vocabulary as is, before trying merges.
-      ignore_merges = pre in _LLAMA3_PROPER_PRE
-    else:
-      if pre not in _GPT2_PRE:
-        logger.warning("%s: unknown GGUF pre-tokenizer %r; using the GPT-2 split, "
-                       "tokenization may differ slightly from the original", where, pre)
-      pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-
-    vocab = {token: i for i, token in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False,
-                                 ignore_merges=ignore_merges))
-    backend.pre_tokenizer = pre_tokenizer
-    backend.decoder = decoders.ByteLevel()
-    # Control tokens (<|im_start|>, <|eot_id|>) must match whole in text and be
-    # dropped by skip_special_tokens; user-defined ones match whole but decode.
-    special = [AddedToken(t, special=True, normalized=False)
-               for t, kind in zip(tokens, token_types) if kind == _GGUF_CONTROL]
-    user = [AddedToken(t, special=False, normalized=False)
-            for t, kind in zip(tokens, token_types) if kind == _GGUF_USER_DEFINED]
-    if special:
-      backend.add_special_tokens(special)
-    if user:
-      backend.add_tokens(user)
-
-    bos_id = fields.get("tokenizer.ggml.bos_token_id")
-    return cls(backend, chat_template=fields.get("tokenizer.chat_template"),
-               bos_token_id=bos_id, eos_token_ids=gguf_io.gguf_eos_token_ids(fields),
-               add_bos=bool(fields.get("tokenizer.ggml.add_bos_token",
-                                       pre in _LLAMA3_PROPER_PRE)))

@@ -16,6 +16,7 @@ from dart_jax.models import precision as precision_lib
 from dart_jax.models.config import ModelConfig, config_from_hf
 from dart_jax.models.precision import Precision
 from dart_jax.models.transformer import KVCache, ModelOutput, Transformer
+from dart_jax import io as dio
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +139,6 @@ def load_target(path: str | os.PathLike | None = None, *, dtype=None,
   Returns:
     A ``Target``.
   """
-  from dart_jax import io as dio  # Local import: io is heavy (gguf, tokenizers).
-
   precision = precision_lib.resolve(dtype)
   if path is None:
     path = dio.ensure_embedded_converted()

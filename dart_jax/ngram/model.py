@@ -10,6 +10,7 @@ from dart_jax.ngram import counts as counts_lib
 from dart_jax.ngram import trie_format
 from dart_jax.ngram.table import NGramTable
 from dart_jax.ngram.trie_format import TrieArrays
+from dart_jax.io import embedded_ngram_path
 
 
 class NGram:
@@ -180,7 +181,5 @@ class NGram:
 def load_ngram(path: str | os.PathLike | None = None) -> NGram:
   """A reference ``.trie`` file; None = the N-gram shipped for the embedded target."""
   if path is None:
-    from dart_jax.io import embedded_ngram_path  # Local import: io is heavy.
-
     path = embedded_ngram_path()
   return NGram.load_trie(path)

@@ -1,0 +1,89 @@
+"""Plain autoregressive decoding and the prefill every method shares.
+
+``prefill`` is the one prompt pass of every decoder (plain, DART, DARTree), so a
+prompt's cache and first token never depend on the method (what lets each
+speculative method be lossless against ``ARDecoder``).
+"""
+
+import functools
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dart_jax.models.target import Target
+from dart_jax.sampling import KeySequence, SamplingConfig, sample
+
+
+class Decoder(Protocol):
+  """What ``generate`` needs from a decoding method."""
+
+  scratch_rows: int  # cache rows a round writes past the committed length
+
+  def start(self, tokens: jax.Array, prompt_lens: jax.Array, capacity: int,
+            key: jax.Array) -> tuple[Any, jax.Array]:
+    """Prefill right-padded ``tokens [B, Tp]``; returns (state, first tokens [B])."""
+
+  def step(self, state: Any, active: jax.Array, attend_len: int
+           ) -> tuple[Any, jax.Array, jax.Array]:
+    """One round -> (state, new tokens [B, A], number of new tokens [B])."""
+
+
+class ARDecoder:
+  """Plain autoregressive decoding: one target call per token."""
+
+  scratch_rows = 1
+
+  def __init__(self, target: Target, sampling: SamplingConfig, seed: int = 0):
+    self.target = target
+    self.sampling = sampling
+    self.keys = KeySequence(seed)
+
+  def start(self, tokens, prompt_lens, capacity, key=None):
+    t = self.target
+    cache = t.new_cache(tokens.shape[0], capacity)
+    first, cache, _ = prefill(t.graphdef, t.params, cache, tokens, prompt_lens,
+                              self.keys.next(), sampling=self.sampling, taps=(),
+                              attn_impl=t.attn_impl)
+    return (cache, first), first
+
+  def step(self, state, active, attend_len):
+    cache, last = state
+    t = self.target
+    nxt, cache = _ar_step(t.graphdef, t.params, cache, last, active, self.keys.next(),
+                          attend_len=attend_len, sampling=self.sampling,
+                          attn_impl=t.attn_impl)
+    return (cache, nxt), nxt[:, None], jnp.ones_like(nxt)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "taps", "attn_impl"),
+                   donate_argnames=("cache",))
+def prefill(graphdef, params, cache, tokens, prompt_lens, key, *, sampling, taps,
+            attn_impl):
+  """Causal pass over right-padded prompts; samples each sequence's first token.
+
+  tokens: [B, Tp]; prompt_lens: [B]. Returns (first [B], cache with lengths =
+  prompt_lens, taps [B, Tp, n*H] or None).
+  """
+  batch, length = tokens.shape
+  model = nnx.merge(graphdef, params)
+  positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+  col = jnp.arange(length)
+  mask = (col[None, :] <= col[:, None])[None] & (col[None, None, :] < prompt_lens[:, None, None])
+  out = model(tokens, positions, cache, mask, attend_len=1, taps=taps,
+              logit_rows=(prompt_lens - 1)[:, None], attn_impl=attn_impl)
+  first = sample(key, out.logits[:, 0], sampling)
+  return first, out.cache.replace(lengths=prompt_lens.astype(jnp.int32)), out.taps
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "attend_len", "sampling", "attn_impl"),
+                   donate_argnames=("cache",))
+def _ar_step(graphdef, params, cache, last, active, key, *, attend_len, sampling, attn_impl):
+  """Feeds ``last [B]`` at position ``lengths`` and samples the next token."""
+  model = nnx.merge(graphdef, params)
+  one = jnp.ones((last.shape[0], 1, 1), bool)
+  out = model(last[:, None], cache.lengths[:, None], cache, one, attend_len=attend_len,
+              attn_impl=attn_impl)
+  cache = out.cache.replace(lengths=cache.lengths + active.astype(jnp.int32))
+  return sample(key, out.logits[:, 0], sampling), cache
