@@ -205,8 +205,11 @@ def test_regenerate_replaces_answers_and_resumes_exactly(tmp_path):
   src = _write(tmp_path / "in.jsonl", convs)
   kwargs = dict(max_new_tokens=4, batch_size=2, temperature=0.0, progress=False)
   full = data_lib.regenerate(target, [src], str(tmp_path / "full.jsonl"), **kwargs)
+  counts = {k: full.pop(k) for k in ("new_tokens", "generate_s", "tokens_per_s")}
   assert full == {"written": 3, "skipped": 1, "unanswered": 0, "malformed": 1,
                   "batches_done": 2, "batches_total": 2}
+  assert counts["generate_s"] > 0
+  assert counts["tokens_per_s"] == round(counts["new_tokens"] / counts["generate_s"], 1)
   part = str(tmp_path / "part.jsonl")
   first = data_lib.regenerate(target, [src], part, max_batches=1, **kwargs)
   assert first["written"] == 2 and first["batches_done"] == 1
@@ -221,6 +224,9 @@ def test_regenerate_replaces_answers_and_resumes_exactly(tmp_path):
     assert f.read() == full_lines
   lines = [json.loads(x) for x in full_lines.splitlines()]
   assert [x["index"] for x in lines] == [0, 1, 3]
+  # Every answer is 1..4 new tokens (max_new_tokens=4).
+  answers = sum(m["role"] == "assistant" for x in lines for m in x["messages"])
+  assert answers <= counts["new_tokens"] <= 4 * answers
   roles = [m["role"] for m in lines[0]["messages"]]
   assert roles == ["user", "assistant", "user", "assistant"]
   assert all(m["content"] != "ORIGINAL" for m in lines[0]["messages"])
