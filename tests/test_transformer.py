@@ -1,6 +1,5 @@
 """Target model call modes: prefill, decode and tree verify agree with each other."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

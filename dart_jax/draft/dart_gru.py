@@ -51,7 +51,7 @@ from dart_jax.io.safetensors_io import read_json, read_safetensors_file
 from dart_jax.models import checkpoint, layers
 from dart_jax.models import precision as precision_lib
 from dart_jax.models.precision import Precision
-from dart_jax.tree.dartree import CorrectionHead, DARTreeConfig
+from dart_jax.tree.dartree import CorrectionHead
 
 CORRECTION_CONFIG = "correction.json"
 CORRECTION_WEIGHTS = "correction.safetensors"
