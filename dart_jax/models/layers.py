@@ -116,24 +116,31 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return out.astype(x.dtype)
 
 
-def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
+def _at_positions(cache: jax.Array, positions: jax.Array, axis: int) -> tuple:
+  """The index ``cache[b, ..., positions[b, j], ...]`` (positions on ``axis``);
+  with the advanced indices first, its result is [B, J, (the other axes)]."""
+  return ((jnp.arange(cache.shape[0])[:, None],) + (slice(None),) * (axis - 1)
+          + (positions,))
+
+
+def write_rows(cache: jax.Array, rows: jax.Array, start: jax.Array, axis: int = 1
+               ) -> jax.Array:
   """Writes ``rows`` into ``cache`` at per-sequence offsets, in place when donated.
 
   Args:
-    cache: [B, S, ...] buffer.
-    rows: [B, T, ...] new entries.
-    start: [B] int offsets; row b goes to ``cache[b, start[b]:start[b]+T]``.
+    cache: [B, S, ...] buffer, or S on another ``axis`` (>= 1).
+    rows: [B, T, (cache's other axes)] new entries.
+    start: [B] int offsets; row b goes to positions ``start[b]:start[b]+T``.
   Returns:
     The updated cache; entries that would land past S are dropped.
   """
-  batch, t = rows.shape[:2]
   # A scatter updates only the T rows; a vmapped dynamic_update_slice becomes a
   # select over the whole buffer, i.e. a full copy of the cache per call.
-  index = start[:, None] + jnp.arange(t)[None, :]
-  return cache.at[jnp.arange(batch)[:, None], index].set(rows.astype(cache.dtype),
-                                                         mode="promise_in_bounds")
+  positions = start[:, None] + jnp.arange(rows.shape[1])[None, :]
+  return cache.at[_at_positions(cache, positions, axis)].set(rows.astype(cache.dtype),
+                                                             mode="promise_in_bounds")
 
 
-def gather_rows(cache: jax.Array, index: jax.Array) -> jax.Array:
-  """``cache[b, index[b, j]]`` -> [B, J, ...]."""
-  return jax.vmap(lambda c, i: jnp.take(c, i, axis=0))(cache, index)
+def gather_rows(cache: jax.Array, index: jax.Array, axis: int = 1) -> jax.Array:
+  """``cache[b, ..., index[b, j], ...]`` (positions on ``axis``) -> [B, J, ...]."""
+  return cache[_at_positions(cache, index, axis)]

@@ -88,29 +88,16 @@ class KVCache:
                         lengths=self.lengths + accepted_len.astype(jnp.int32))
 
 
-def _at_positions(buf: jax.Array, positions: jax.Array, axis: int) -> tuple:
-  """The index ``buf[b, ..., positions[b, j], ...]`` (position axis ``axis``);
-  with the advanced indices first its result is [B, J, (the other two axes)]."""
-  return ((jnp.arange(buf.shape[0])[:, None],) + (slice(None),) * (axis - 1)
-          + (positions,))
-
-
 def write_kv(buf: jax.Array, rows: jax.Array, start: jax.Array, layout: str) -> jax.Array:
   """Writes ``rows [B, T, Hkv, hd]`` at positions ``start[b] ..`` of one layer's
-  key or value buffer in ``layout``, in place when donated; entries that would
-  land past the capacity are dropped."""
-  axis = attention_common.seq_axis(layout)
-  positions = start[:, None] + jnp.arange(rows.shape[1])[None, :]
-  # A scatter updates only the T positions; a vmapped dynamic_update_slice
-  # becomes a select over the whole buffer, i.e. a full copy per call.
-  return buf.at[_at_positions(buf, positions, axis)].set(rows.astype(buf.dtype),
-                                                         mode="promise_in_bounds")
+  key or value buffer in ``layout`` (``layers.write_rows`` on its position axis)."""
+  return layers.write_rows(buf, rows, start, attention_common.seq_axis(layout))
 
 
 def read_kv(buf: jax.Array, positions: jax.Array, layout: str) -> jax.Array:
   """Entries ``positions [B, J]`` of one layer's key or value buffer ->
   [B, J, Hkv, hd]."""
-  return buf[_at_positions(buf, positions, attention_common.seq_axis(layout))]
+  return layers.gather_rows(buf, positions, attention_common.seq_axis(layout))
 
 
 def cache_prefix(buf: jax.Array, length: int, layout: str) -> jax.Array:
@@ -169,7 +156,7 @@ class Attention(nnx.Module):
                            impl=impl, interpret=mode == "interpret")
       return self.o_proj(out.reshape(b, t, -1)), None, None
     impl, _, mode = attn_impl.partition(":")
-    layout = cache_layout
+    layout = cache_layout  # Shorter below.
     # Write first, then read: reading the old buffer after an in-place update
     # would make XLA copy the whole cache every call.
     k_cache = write_kv(k_cache, k, lengths, layout)
