@@ -55,3 +55,45 @@ def test_bad_arguments():
     prompts.generate_prompts(5, follow_up_fraction=1.5)
   with pytest.raises(InputError, match="distinct"):
     prompts.generate_prompts(100000)
+
+
+def test_v1_output_is_frozen_by_the_shipped_data():
+  # The shipped head's data was regenerated from v1 seed 0; its first user
+  # turns must still be what v1 generates, or the asset recipe no longer holds.
+  with open("train/sample_data/smollm2_self_distilled.jsonl", encoding="utf-8") as f:
+    shipped = [json.loads(line) for line in f]
+  firsts = {r["index"]: r["messages"][0]["content"] for r in shipped[:50]}
+  generated = prompts.generate_prompts(max(firsts) + 1, seed=0)
+  for index, text in firsts.items():
+    assert generated[index]["messages"][0]["content"] == text
+
+
+def test_v2_reaches_ten_thousand_distinct_conversations_over_every_family():
+  records = prompts.generate_prompts(12000, seed=0, recipe="v2")
+  firsts = [r["messages"][0]["content"] for r in records]
+  assert len(set(firsts)) == len(firsts) == 12000
+  counts = collections.Counter(r["family"] for r in records)
+  assert set(counts) == set(prompts.FAMILIES_V2)
+  assert min(counts.values()) >= 200, counts
+  turns = collections.Counter(len(r["messages"]) for r in records)
+  assert turns[2] > 0.15 * len(records) and turns[3] > 0.03 * len(records)
+  assert all("{" not in m["content"] or "```" in m["content"]
+             for r in records for m in r["messages"]), "an unfilled template field"
+  bench = {t.strip() for q in datasets.load_mt_bench() for t in q.turns}
+  assert not {m["content"].strip() for r in records for m in r["messages"]} & bench
+  assert prompts.generate_prompts(500, seed=0, recipe="v2") == records[:500]
+
+
+def test_heldout_split_is_disjoint_and_written_apart(tmp_path):
+  out, held = tmp_path / "train.jsonl", tmp_path / "heldout.jsonl"
+  assert prompts.main(["--recipe", "v2", "--num", "300", "--heldout", "40", "--out", str(out),
+                       "--heldout-out", str(held)]) == 0
+  train = [json.loads(line) for line in out.read_text().splitlines()]
+  heldout = [json.loads(line) for line in held.read_text().splitlines()]
+  assert (len(train), len(heldout)) == (260, 40)
+  assert train + heldout == prompts.generate_prompts(300, seed=0, recipe="v2")
+  assert not ({r["messages"][0]["content"] for r in train}
+              & {r["messages"][0]["content"] for r in heldout})
+  assert prompts.main(["--num", "10", "--heldout", "3", "--out", str(out)]) == 2
+  with pytest.raises(InputError, match="recipe"):
+    prompts.generate_prompts(5, recipe="v9")

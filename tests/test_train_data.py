@@ -235,3 +235,29 @@ def test_regenerate_replaces_answers_and_resumes_exactly(tmp_path):
   # Greedy answers are the target's own continuation of the same prompt.
   alone = dj.generate(target, [lines[2]["messages"][:1]], max_new_tokens=4)
   assert lines[2]["messages"][1]["content"] == alone.text[0]
+
+
+def test_regenerate_grouped_by_length_batches_equal_turn_counts(tmp_path):
+  import dart_jax as dj
+
+  target = dj.load_target(TINY_TARGET)
+  two_turns = lambda q: {"messages": [{"role": "user", "content": q},
+                                      {"role": "user", "content": "Say more."}]}
+  one_turn = lambda q: {"messages": [{"role": "user", "content": q}]}
+  convs = [two_turns("What is 2 plus 3?"), one_turn("Hi."), two_turns("Name a colour."),
+           one_turn("Tell me a long story about a very old and very tired dragon.")]
+  src = _write(tmp_path / "in.jsonl", convs)
+  kwargs = dict(max_new_tokens=3, batch_size=2, temperature=0.0, progress=False)
+  out = str(tmp_path / "grouped.jsonl")
+  result = data_lib.regenerate(target, [src], out, group_by_length=True, **kwargs)
+  assert result["written"] == 4
+  with open(out) as f:
+    lines = [json.loads(x) for x in f]
+  # One-turn prompts first, shorter first, then the two-turn pair, shorter first.
+  assert [(x["index"], x["batch"]) for x in lines] == [(1, 0), (3, 0), (2, 1), (0, 1)]
+  plain = str(tmp_path / "plain.jsonl")
+  data_lib.regenerate(target, [src], plain, **kwargs)
+  with open(plain) as f:
+    by_index = {x["index"]: x["messages"] for x in map(json.loads, f)}
+  # Greedy answers do not depend on the batch a conversation landed in.
+  assert all(by_index[x["index"]] == x["messages"] for x in lines)

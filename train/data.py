@@ -536,7 +536,8 @@ def _complete_lines(out_path: str) -> list[dict]:
 def regenerate(target, data_paths: Sequence[str], out_path: str, *, max_new_tokens: int = 512,
                batch_size: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: int = 0, max_prompt_tokens: int = 2048,
-               max_batches: int = 0, progress: bool = True) -> dict:
+               max_batches: int = 0, group_by_length: bool = False,
+               progress: bool = True) -> dict:
   """Replaces the assistant turns of chat data with the target's own answers.
 
   Conversations are answered turn by turn (each answer conditions on the
@@ -545,6 +546,11 @@ def regenerate(target, data_paths: Sequence[str], out_path: str, *, max_new_toke
   "batch": j}``. A rerun with the same arguments resumes after the last complete
   batch in ``out_path``; batch j always samples with seed ``seed + j``, so a
   resumed file equals an uninterrupted one.
+
+  ``group_by_length`` batches conversations with the same number of user
+  turns and similar first-prompt lengths (a stable sort on both): a batch's
+  follow-up rounds then run with every row, and prefill pads little. The order
+  is a pure function of the input, so resuming still works.
 
   Returns counts: written, skipped (text records, no user turn), unanswered
   (written without an answer: first prompt too long), malformed.
@@ -559,6 +565,9 @@ def regenerate(target, data_paths: Sequence[str], out_path: str, *, max_new_toke
   warn_malformed(stats)
   convs = [(i, r) for i, r in enumerate(records) if not isinstance(r, str)]
   valid = [(i, _split_turns(m)) for i, m in convs if _split_turns(m)[1]]
+  if group_by_length:
+    valid.sort(key=lambda item: (len(item[1][1]), len(target.tokenizer.encode_chat(
+        item[1][0] + item[1][1][0]))))
   skipped = len(records) - len(valid)
   batches = [valid[j:j + batch_size] for j in range(0, len(valid), batch_size)]
 
@@ -645,6 +654,8 @@ def _build_parser() -> argparse.ArgumentParser:
   r.add_argument("--seed", type=int, default=0)
   r.add_argument("--max-prompt-tokens", type=int, default=2048)
   r.add_argument("--max-batches", type=int, default=0, help="stop after N batches (0 = all)")
+  r.add_argument("--group-by-length", action="store_true",
+                 help="batch conversations of equal turn count and similar prompt length")
   precision.add_cli_flag(r)
   s = sub.add_parser("stats", help="tokenize and print data statistics")
   s.add_argument("--model", default=None)
@@ -666,7 +677,8 @@ def main(argv=None) -> int:
                           batch_size=args.batch_size, temperature=args.temperature,
                           top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                           max_prompt_tokens=args.max_prompt_tokens,
-                          max_batches=args.max_batches)
+                          max_batches=args.max_batches,
+                          group_by_length=args.group_by_length)
       print(json.dumps(result))
     else:
       stats = DataStats()

@@ -12,8 +12,21 @@ The lists below were written for this project; MT-Bench and HumanEval prompts
 are held out for evaluation and are never used here (``tests/test_prompts.py``
 checks that no generated prompt equals a benchmark prompt).
 
+Two recipes, each reproducible from (num, seed):
+- ``v1``: the eight families above in round-robin order, one optional follow-up;
+  it tops out near 3,300 distinct conversations (code completion runs out). The
+  shipped head of session 5 was trained on its seed-0 answers.
+- ``v2``: v1's families plus summarising / rewriting a given passage, math
+  with several steps, long-form writing, debugging and explaining given code,
+  code in more languages, and short knowledge questions; families are drawn at
+  random and one that keeps repeating itself is retired, so it reaches tens of
+  thousands of conversations. Follow-ups are wider and some conversations get
+  two.
+
 Command line:
   python -m train.prompts --num 2000 --seed 0 --out prompts.jsonl
+  python -m train.prompts --recipe v2 --num 12000 --heldout 400 --seed 0 \
+      --out prompts.jsonl --heldout-out heldout.jsonl
 Output lines are OpenAI-style records with user turns only:
   {"messages": [{"role": "user", "content": "..."}, ...], "family": "coding"}
 """
@@ -264,17 +277,217 @@ FAMILIES = {
 }
 
 
-def generate_prompts(num: int, seed: int = 0, follow_up_fraction: float = 0.3
-                     ) -> list[dict]:
-  """``num`` distinct conversations (user turns only), families in round-robin order.
+# ------------------------------------------------------------------ recipe v2
+# Everything below is v2 only; v1's lists and functions above stay as they were
+# so that v1 output (and the shipped head's recipe) is unchanged.
 
-  The same (num, seed) always gives the same list.
-  """
-  if num < 1:
-    raise InputError(f"num must be >= 1, got {num}")
-  if not 0 <= follow_up_fraction <= 1:
-    raise InputError(f"follow_up_fraction must be in [0, 1], got {follow_up_fraction}")
-  rng = np.random.default_rng(seed)
+MORE_LANGUAGES = LANGUAGES + ("TypeScript", "C#", "Kotlin", "Swift", "Ruby", "PHP",
+                              "Haskell", "R", "Scala", "Julia")
+MORE_CODE_TASKS = CODE_TASKS + (
+    "parses a line of key=value pairs into a dictionary", "checks whether brackets in a "
+    "string are balanced", "finds the most common element in a list",
+    "converts a Roman numeral to an integer", "splits a list into chunks of size n",
+    "computes a moving average over a window", "finds all prime numbers below n",
+    "counts the lines, words and characters of a file", "sorts a list of records by two keys",
+    "implements a queue using two stacks", "finds the shortest path in a grid with BFS",
+    "computes the edit distance between two strings", "serialises a tree to a string and "
+    "back", "validates a Sudoku board", "merges overlapping intervals",
+    "converts a number to words in English", "implements a simple rate limiter",
+    "retries a failing network call with exponential backoff", "deep-copies a nested "
+    "structure", "formats a duration in seconds as hours, minutes and seconds",
+    "reads a JSON file and prints one field of every record", "implements a min-heap",
+    "checks whether a year is a leap year", "compresses a string with run-length encoding",
+    "finds the k largest numbers in a list", "tokenises a simple arithmetic expression",
+)
+# (snippet, what is wrong) for debugging prompts; the snippets are Python.
+BUGGY_SNIPPETS = (
+    ("def average(xs):\n    return sum(xs) / len(xs) + 1", "it returns the wrong value"),
+    ("def last(items):\n    return items[len(items)]", "it raises an IndexError"),
+    ("def count_a(text):\n    n = 0\n    for c in text:\n        if c == 'a':\n"
+     "            n =+ 1\n    return n", "the count is always 0 or 1"),
+    ("def add_item(item, basket=[]):\n    basket.append(item)\n    return basket",
+     "items from earlier calls show up"),
+    ("def is_even(n):\n    return n % 2 == 1", "it gives the opposite answer"),
+    ("def factorial(n):\n    if n == 0:\n        return 0\n    return n * factorial(n - 1)",
+     "it always returns 0"),
+    ("def reverse(s):\n    out = ''\n    for i in range(len(s)):\n        out += s[i]\n"
+     "    return out", "the string comes back unchanged"),
+    ("def find(items, x):\n    for i, v in enumerate(items):\n        if v == x:\n"
+     "            return i\n        else:\n            return -1", "it only finds the first "
+     "element"),
+    ("def total(prices):\n    for p in prices:\n        s = 0\n        s += p\n    return s",
+     "it returns only the last price"),
+    ("def read_numbers(path):\n    f = open(path)\n    return [int(x) for x in f]",
+     "the file is never closed and blank lines crash it"),
+    ("def middle(xs):\n    return xs[len(xs) / 2]", "it raises a TypeError"),
+    ("def squares(n):\n    return [i * i for i in range(1, n)]", "it misses the last square"),
+)
+PASSAGE_OPENINGS = (
+    "{subject} has shaped the way people live for a long time.",
+    "Many people have heard of {subject}, but few know how it really works.",
+    "Last year our town held a public meeting about {subject}.",
+    "{name} first became interested in {subject} as a student.",
+    "Scientists and historians still argue about {subject}.",
+)
+PASSAGE_MIDDLES = (
+    "Supporters say it brings clear benefits, such as lower costs and better health.",
+    "Critics point out that the benefits are uneven and that some groups are left behind.",
+    "A survey of {number} people found that most of them wanted to learn more.",
+    "{name} spent {years} years collecting stories and measurements about it.",
+    "The early results were surprising, and several experts changed their minds.",
+    "Funding was cut twice, which delayed the work by several months.",
+    "Local schools now teach the basics, and the museum runs a small exhibition.",
+    "Some of the claims made online, however, are not supported by the evidence.",
+)
+PASSAGE_ENDINGS = (
+    "In the end, the debate is likely to continue for years.",
+    "The next report is expected early next year.",
+    "For now, the best advice is to stay curious and check the sources.",
+    "{name} hopes that the next generation will finish what was started.",
+)
+REWRITE_INSTRUCTIONS = (
+    "Summarise this text in two sentences.", "Summarise the text below in three bullet "
+    "points.", "Rewrite this paragraph for {audience}.", "Rewrite the text in a {style} "
+    "tone.", "Give this passage a short title and a one-line summary.",
+    "Shorten this text to about half its length without losing the key points.",
+    "List the main claims in this passage and say which ones need evidence.",
+    "Turn this paragraph into a short list of facts.", "Rewrite this as a short news "
+    "headline and lead sentence.", "Paraphrase the text below in plain English.",
+    "What is the main idea of this passage? Answer in one sentence.",
+    "Translate this paragraph into {language}.",
+)
+WORLD_LANGUAGES = ("French", "Spanish", "German", "Italian", "Portuguese", "Dutch")
+LONG_FORMS = (
+    "an essay of about 500 words", "a detailed report", "a complete beginner's guide",
+    "a long blog post with headings", "a two-page story", "a lesson plan",
+    "a detailed project proposal", "a product review with pros and cons",
+    "a travel itinerary for five days", "a study guide with practice questions",
+)
+KNOWLEDGE_QUESTIONS = (
+    "What is the boiling point of water at the top of a high mountain, and why?",
+    "How do airplanes stay in the air?", "Why is the sky blue?",
+    "How do vaccines train the immune system?", "What causes the seasons on Earth?",
+    "Why do we have leap years?", "How does a refrigerator keep food cold?",
+    "What is the difference between weather and climate?", "How do bees make honey?",
+    "Why do cats purr?", "How does a credit score work?", "What makes a rainbow?",
+    "How do noise-cancelling headphones work?", "Why does bread go stale?",
+    "What is a black hole made of?", "How do plants know which way is up?",
+    "Why does ice float on water?", "How does GPS find my location?",
+    "What happens in the body during a fever?", "How are mountains formed?",
+    "Why do onions make people cry?", "How does a battery store energy?",
+    "What is the difference between a virus and a bacterium?",
+    "How does the heart pump blood?", "Why do stars twinkle?",
+    "How do search engines rank pages?", "What is the greenhouse effect?",
+    "How does a microwave oven heat food?", "Why do leaves change colour in autumn?",
+    "How is paper made?",
+)
+KNOWLEDGE_FRAMES = ("{q}", "{q} Explain it to {audience}.", "{q} Keep the answer short.",
+                    "{q} Give a simple example.", "Quick question: {q}",
+                    "{q} Answer in a {style} way.")
+MORE_FOLLOW_UPS = FOLLOW_UPS + (
+    "Can you give a concrete example with numbers?", "Now write the same for {audience}.",
+    "Translate your answer into {language}.", "What are the limitations of this?",
+    "Can you expand the second point?", "Write it as a short dialogue instead.",
+    "Make it more {style}.", "Add a title and headings.", "What should I read next to "
+    "learn more?", "Explain it again as if I had never heard of it.",
+    "Give me a quiz with three questions about it.", "Check your answer for mistakes.",
+)
+
+
+def _fill_follow_up(rng, text: str) -> str:
+  return text.format(audience=_pick(rng, AUDIENCES), style=_pick(rng, STYLES),
+                     language=_pick(rng, WORLD_LANGUAGES))
+
+
+def _passage(rng) -> str:
+  values = dict(subject=_pick(rng, SUBJECTS), name=_pick(rng, NAMES),
+                number=int(rng.integers(50, 5000)), years=int(rng.integers(2, 30)))
+  middles = rng.choice(len(PASSAGE_MIDDLES), int(rng.integers(2, 4)), replace=False)
+  parts = ([_pick(rng, PASSAGE_OPENINGS)] + [PASSAGE_MIDDLES[int(i)] for i in middles]
+           + [_pick(rng, PASSAGE_ENDINGS)])
+  text = " ".join(part.format(**values) for part in parts)
+  return text[0].upper() + text[1:]
+
+
+def _rewrite(rng):
+  instruction = _fill_follow_up(rng, _pick(rng, REWRITE_INSTRUCTIONS))
+  return f"{instruction}\n\n{_passage(rng)}"
+
+
+def _math_steps(rng):
+  a, b, c, d = (int(v) for v in rng.integers(2, 60, 4))
+  name, other, item = _pick(rng, NAMES), _pick(rng, NAMES), _pick(rng, ITEMS)
+  price = int(rng.integers(2, 40))
+  return _pick(rng, (
+      f"{name} buys {a} {item} at {price} dollars each and pays with a {100 * (1 + a * price // 100)}"
+      f" dollar note. How much change does {name} get? Show each step.",
+      f"A shop gives {b % 50 + 5}% off a jacket that costs {c * 10} dollars, then adds {d % 20 + 1}%"
+      f" tax. What is the final price? Work it out step by step.",
+      f"{name} is {a} years old and {other} is {a + b} years old. In how many years will "
+      f"{other} be twice as old as {name}, if ever? Explain your reasoning.",
+      f"A car drives {a * 5} km at {40 + b} km/h and then {c * 5} km at {50 + d} km/h. "
+      f"What is its average speed for the whole trip? Show the working.",
+      f"Solve the system of equations step by step: x + y = {a + b}, x - y = {a - b}.",
+      f"A tank holds {a * 10} litres. It fills at {b} litres per minute and leaks {max(1, c % b)}"
+      f" litres per minute. How long until it is full? Explain.",
+      f"The average of {a}, {b}, {c} and one more number is {(a + b + c + d) / 4:g}. What is "
+      f"the missing number? Show the steps.",
+      f"A bag has {a} red and {b} blue marbles. If you draw two without replacement, what is "
+      f"the probability that both are red? Explain each step.",
+      f"Add the fractions {a}/{b} and {c}/{d}, simplify the result, and explain how.",
+      f"{name} reads {a} pages on Monday and {b} pages more each day than the day before. "
+      f"How many pages has {name} read after {3 + d % 5} days? Show the pattern.",
+      f"Convert {a * 100} minutes into days, hours and minutes, showing each step.",
+      f"A recipe for {2 + a % 6} people needs {b * 10} grams of flour. How much flour do you "
+      f"need for {3 + c % 10} people? Explain the calculation.",
+  ))
+
+
+def _long_form(rng):
+  form, subject = _pick(rng, LONG_FORMS), _pick(rng, SUBJECTS)
+  topic, audience = _pick(rng, ADVICE_TOPICS), _pick(rng, AUDIENCES)
+  return _pick(rng, (
+      f"Write {form} about {subject}, with an introduction, three sections and a "
+      f"conclusion.",
+      f"Write {form} on {topic} for {audience}.",
+      f"Write {form} comparing {subject} and {_pick(rng, SUBJECTS)}.",
+      f"Write {form} about {_pick(rng, WRITING_TOPICS)} in a {_pick(rng, STYLES)} style.",
+      f"Plan and then write {form} about {subject}. Start with a short outline.",
+  ))
+
+
+def _code_more(rng):
+  lang, task = _pick(rng, MORE_LANGUAGES), _pick(rng, MORE_CODE_TASKS)
+  snippet, problem = BUGGY_SNIPPETS[int(rng.integers(len(BUGGY_SNIPPETS)))]
+  code = f"```python\n{snippet}\n```"
+  return _pick(rng, (
+      f"Write a {lang} function that {task}.",
+      f"Write a {lang} function that {task}, with comments and an example call.",
+      f"Show two ways to write code in {lang} that {task}, and compare them.",
+      f"Write unit tests in {lang} for a function that {task}.",
+      f"This Python function is buggy: {problem}. Find the bug and fix it.\n\n{code}",
+      f"Explain what this Python code does, line by line.\n\n{code}",
+      f"Rewrite this Python function in {lang}, fixing any bugs.\n\n{code}",
+      f"What is the time complexity of a {lang} function that {task}? Show the code.",
+  ))
+
+
+def _knowledge(rng):
+  frame = _pick(rng, KNOWLEDGE_FRAMES)
+  return _fill_follow_up(rng, frame.replace("{q}", _pick(rng, KNOWLEDGE_QUESTIONS)))
+
+
+FAMILIES_V2 = {
+    **FAMILIES, "rewrite": _rewrite, "math_steps": _math_steps, "long_form": _long_form,
+    "code_more": _code_more, "knowledge": _knowledge,
+}
+RECIPES = {"v1": FAMILIES, "v2": FAMILIES_V2}
+# v2 retires a family after this many draws in a row gave only used prompts.
+_V2_RETIRE_AFTER = 300
+
+
+def _v1_conversations(rng, num: int, follow_up_fraction: float) -> list[dict]:
+  """Round-robin over the v1 families; fails when one runs out."""
   names = sorted(FAMILIES)
   records, seen = [], set()
   repeats = 0  # Draws in a row that gave an already used prompt.
@@ -285,7 +498,8 @@ def generate_prompts(num: int, seed: int = 0, follow_up_fraction: float = 0.3
       repeats += 1
       if repeats > 2000:  # The family is (nearly) exhausted.
         raise InputError(f"only {len(records)} distinct prompts could be generated "
-                         f"({family} ran out); ask for fewer than {num}")
+                         f"({family} ran out); ask for fewer than {num} or use "
+                         f"recipe v2")
       continue
     repeats = 0
     seen.add(prompt)
@@ -296,24 +510,97 @@ def generate_prompts(num: int, seed: int = 0, follow_up_fraction: float = 0.3
   return records
 
 
+def _v2_conversations(rng, num: int, follow_up_fraction: float) -> list[dict]:
+  """Families drawn at random; an exhausted family is retired, not fatal."""
+  live = sorted(FAMILIES_V2)
+  repeats = dict.fromkeys(live, 0)
+  records, seen = [], set()
+  while len(records) < num:
+    if not live:
+      raise InputError(f"only {len(records)} distinct prompts could be generated "
+                       f"(every family ran out); ask for fewer than {num}")
+    family = _pick(rng, live)
+    prompt = FAMILIES_V2[family](rng)
+    if prompt in seen:
+      repeats[family] += 1
+      if repeats[family] > _V2_RETIRE_AFTER:
+        live.remove(family)
+      continue
+    repeats[family] = 0
+    seen.add(prompt)
+    messages = [{"role": "user", "content": prompt}]
+    if rng.random() < follow_up_fraction:
+      messages.append({"role": "user",
+                       "content": _fill_follow_up(rng, _pick(rng, MORE_FOLLOW_UPS))})
+      if rng.random() < 0.25:
+        messages.append({"role": "user",
+                         "content": _fill_follow_up(rng, _pick(rng, MORE_FOLLOW_UPS))})
+    records.append({"messages": messages, "family": family})
+  return records
+
+
+def generate_prompts(num: int, seed: int = 0, follow_up_fraction: float = 0.3,
+                     recipe: str = "v1") -> list[dict]:
+  """``num`` distinct conversations (user turns only) by the given recipe.
+
+  The same (num, seed, follow_up_fraction, recipe) always gives the same list,
+  and a shorter list is a prefix of a longer one.
+  """
+  if recipe not in RECIPES:
+    raise InputError(f"unknown prompt recipe {recipe!r}; choose from {sorted(RECIPES)}")
+  if num < 1:
+    raise InputError(f"num must be >= 1, got {num}")
+  if not 0 <= follow_up_fraction <= 1:
+    raise InputError(f"follow_up_fraction must be in [0, 1], got {follow_up_fraction}")
+  rng = np.random.default_rng(seed)
+  if recipe == "v1":
+    return _v1_conversations(rng, num, follow_up_fraction)
+  return _v2_conversations(rng, num, follow_up_fraction)
+
+
+def split_heldout(records: list[dict], heldout: int) -> tuple[list[dict], list[dict]]:
+  """-> (train, held-out): the last ``heldout`` records are held out.
+
+  The records are distinct, so no held-out first turn appears in train.
+  """
+  if not 0 <= heldout < len(records):
+    raise InputError(f"heldout must be in [0, {len(records)}), got {heldout}")
+  cut = len(records) - heldout
+  return records[:cut], records[cut:]
+
+
+def _write_jsonl(path: str, records: list[dict]) -> None:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w", encoding="utf-8") as f:
+    for record in records:
+      f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m train.prompts", description=__doc__.split(
       "\n")[0])
-  p.add_argument("--num", type=int, default=2000)
+  p.add_argument("--num", type=int, default=2000, help="conversations in all")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--follow-up-fraction", type=float, default=0.3)
+  p.add_argument("--recipe", choices=sorted(RECIPES), default="v1")
+  p.add_argument("--heldout", type=int, default=0,
+                 help="hold out the last N conversations (written to --heldout-out)")
+  p.add_argument("--heldout-out", default=None)
   p.add_argument("--out", required=True)
   args = p.parse_args(argv)
   try:
-    records = generate_prompts(args.num, args.seed, args.follow_up_fraction)
+    if args.heldout and not args.heldout_out:
+      raise InputError("--heldout needs --heldout-out")
+    records = generate_prompts(args.num, args.seed, args.follow_up_fraction, args.recipe)
+    train, heldout = split_heldout(records, args.heldout)
   except InputError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w", encoding="utf-8") as f:
-    for record in records:
-      f.write(json.dumps(record, ensure_ascii=False) + "\n")
-  print(f"wrote {len(records)} conversations to {args.out}")
+  _write_jsonl(args.out, train)
+  print(f"wrote {len(train)} conversations to {args.out}")
+  if args.heldout:
+    _write_jsonl(args.heldout_out, heldout)
+    print(f"wrote {len(heldout)} held-out conversations to {args.heldout_out}")
   return 0
 
 
