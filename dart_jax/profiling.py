@@ -25,7 +25,7 @@ Wrap = Callable[[str, Callable[..., Any]], Callable[..., Any]]
 _COMPILED: dict[tuple[str, Hashable], Callable[..., Any]] = {}
 
 
-PREFILL_FUNCTIONS = ("prefill", "dart_prefill", "dartree_prefill")
+PREFILL_FUNCTIONS = ("prefill", "speculative_prefill")
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 # The stages of turning a function into an executable: tracing, lowering, XLA.
 _COMPILE_STAGES = ("/jax/core/compile/jaxpr_trace_duration",

@@ -12,12 +12,11 @@ import pytest
 from flax import nnx
 
 import dart_jax as dj
-from dart_jax.dartree_decode import CorrectedTrees
 from dart_jax.decode.methods import make_decoder
 from dart_jax.draft.dart_gru import CORRECTION_CONFIG
 from dart_jax.models import Target
 from dart_jax.sampling import SamplingConfig
-from dart_jax.speculative import root_tokens
+from dart_jax.decode.round import root_tokens
 from dart_jax.tree.dartree import CorrectionHead, DARTreeConfig, dartree_build
 from tests.test_dartree_decode import check_first_tokens_distribution, peaked_tiny_target
 from tests.test_speculative import PRECISIONS, TARGETS
@@ -110,7 +109,7 @@ def _prefill(target, drafter, prompts):
     tokens[i, :len(p)] = p
   state, first = decoder.start(jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts],
                                                                   jnp.int32), 256)
-  return first, state
+  return first, state, decoder
 
 
 def test_teacher_forced_logits_equal_inference_corrected_logits(tiny):
@@ -120,11 +119,12 @@ def test_teacher_forced_logits_equal_inference_corrected_logits(tiny):
   tokens are the argmaxes, its scores the cumulative log-softmax)."""
   target, drafter = tiny
   prompt = [5, 17, 3, 44, 9, 71, 2]
-  first, state = _prefill(target, drafter, [prompt, [1], [2, 3], [4, 5, 6]])
+  first, state, decoder = _prefill(target, drafter, [prompt, [1], [2, 3], [4, 5, 6]])
   module = drafter.module()
   target_model = target.module()
-  chain = jax.jit(CorrectedTrees("domino-chain", TREE, D + 1),
-                  static_argnums=(0, 1))(target_model, module, state)
+  assert decoder.proposer.method == "domino-chain"
+  chain = jax.jit(lambda params, s: decoder.proposer.propose(target_model, params, s))(
+      decoder.draft_params, state)
   assert int(root_tokens(state)[0]) == int(first[0])
   path = np.asarray(chain.tokens[0, 1:]).tolist()  # D+1 target ids, levels 0..D
 
@@ -132,11 +132,11 @@ def test_teacher_forced_logits_equal_inference_corrected_logits(tiny):
   def inference_and_training(state, path, tokens):
     # Inference arithmetic along the path (the builder's CorrectionHead methods).
     head = module.correction_head(target_model.embed_tokens.embedding[...],
-                                  state.draft_hidden[0])
+                                  state.draft.hidden[0])
     s = head.root_state(first[0])
     inference = []
     for k in range(D + 1):
-      inference.append(state.draft_logits[0, k] + head.full_bias(k, s))
+      inference.append(state.draft.logits[0, k] + head.full_bias(k, s))
       s = head.gru(path[k][None], s[None])[0]
     # Training: one packed row [prompt, root, path], anchor = last prompt position.
     n = tokens.shape[1]
@@ -150,7 +150,7 @@ def test_teacher_forced_logits_equal_inference_corrected_logits(tiny):
 
   tokens = jnp.asarray([prompt + [int(first[0])] + path], jnp.int32)
   inference, corrected, base = inference_and_training(state, jnp.asarray(path), tokens)
-  np.testing.assert_allclose(base[0, 0], state.draft_logits[0], rtol=0, atol=1e-5)
+  np.testing.assert_allclose(base[0, 0], state.draft.logits[0], rtol=0, atol=1e-5)
   np.testing.assert_allclose(corrected[0, 0], inference, rtol=0, atol=1e-5)
   # The correction changes the logits (a test that could not tell base from
   # corrected would pass trivially).

@@ -19,8 +19,8 @@ import pytest
 from flax import nnx
 
 import dart_jax as dj
-from dart_jax.dartree_decode import DARTreeDecoder
 from dart_jax.decode.methods import make_decoder
+from dart_jax.decode.round import root_tokens
 from dart_jax.models import ModelConfig, Target
 from dart_jax.ngram import NGram
 from dart_jax.sampling import SamplingConfig, processed_log_probs
@@ -82,11 +82,11 @@ def _start(decoder, prompts, capacity=256):
 def _oracle(state, full, depths):
   """Base logits whose top token at depth d is the target's token at root + d."""
   root_pos = np.asarray(state.cache.lengths)
-  oracle = np.full(state.base_logits.shape, -10.0, np.float32)
+  oracle = np.full(state.draft.base_logits.shape, -10.0, np.float32)
   for b in range(oracle.shape[0]):
     for d in range(1, depths + 1):
       oracle[b, d - 1, full[b][root_pos[b] + d]] = 10.0
-  return state.replace(base_logits=jnp.asarray(oracle))
+  return state.replace(draft=state.draft.replace(base_logits=jnp.asarray(oracle)))
 
 
 def test_drafter_context_after_rounds_equals_a_fresh_prefill(tiny):
@@ -98,8 +98,8 @@ def test_drafter_context_after_rounds_equals_a_fresh_prefill(tiny):
   prompts = _prompts(np.random.default_rng(1), 4, 97)
   ar = dj.generate(target, prompts, max_new_tokens=20, eos_token_ids=()).tokens
   full = [p + a for p, a in zip(prompts, ar)]
-  decoder = DARTreeDecoder(target, domino, sampling=SamplingConfig(), tree="dartree",
-                           tree_config=TREE)
+  decoder = make_decoder(target, SamplingConfig(), 0, domino, tree="dartree",
+                         tree_config=TREE)
   state, first = _start(decoder, prompts)
   emitted = [[int(f)] for f in np.asarray(first)]
   for use_oracle in (True, False, True, False):
@@ -114,14 +114,14 @@ def test_drafter_context_after_rounds_equals_a_fresh_prefill(tiny):
   assert all(c == f[:len(c)] for c, f in zip(committed, full))
   np.testing.assert_array_equal(np.asarray(state.cache.lengths),
                                 [len(c) for c in committed])
-  np.testing.assert_array_equal(np.asarray(state.draft_cache.lengths),
+  np.testing.assert_array_equal(np.asarray(state.draft.cache.lengths),
                                 [len(c) for c in committed])
   fresh, root = _start(decoder, committed)
   np.testing.assert_array_equal(np.asarray(root), [e[-1] for e in emitted])
-  np.testing.assert_array_equal(np.asarray(state.root), np.asarray(root))
-  np.testing.assert_allclose(np.asarray(state.base_logits), np.asarray(fresh.base_logits),
-                             atol=2e-4, rtol=1e-4)
-  np.testing.assert_allclose(np.asarray(state.hidden), np.asarray(fresh.hidden),
+  np.testing.assert_array_equal(np.asarray(root_tokens(state)), np.asarray(root))
+  np.testing.assert_allclose(np.asarray(state.draft.base_logits),
+                             np.asarray(fresh.draft.base_logits), atol=2e-4, rtol=1e-4)
+  np.testing.assert_allclose(np.asarray(state.draft.hidden), np.asarray(fresh.draft.hidden),
                              atol=2e-5, rtol=1e-4)
 
 
@@ -134,8 +134,8 @@ def test_oracle_drafts_reach_maximum_acceptance(tiny):
   full = [p + a for p, a in zip(prompts, ar)]
   depths = BLOCK - 1
   for drafter, method in _runs(target, domino, dflash):
-    decoder = DARTreeDecoder(target, drafter, sampling=SamplingConfig(), tree=method,
-                             tree_config=TREE)
+    decoder = make_decoder(target, SamplingConfig(), 0, drafter, tree=method,
+                           tree_config=TREE)
     state, _ = _start(decoder, prompts)
     for _ in range(4):
       root_pos = np.asarray(state.cache.lengths)
@@ -257,12 +257,14 @@ def test_bad_arguments_give_clear_errors(tiny):
   # Option plumbing (no compile): a config as tree=, keyword overrides.
   greedy = SamplingConfig()
   decoder = make_decoder(target, greedy, 0, domino, tree=TREE)
-  assert (decoder.method, decoder.tree_config, decoder.scratch_rows) == ("dartree", TREE, 9)
+  proposer = decoder.proposer
+  assert (proposer.method, proposer.tree_config, decoder.scratch_rows) == ("dartree", TREE, 9)
   decoder = make_decoder(target, greedy, 0, domino, tree="dartree-fixed", budget=5,
                          topk=2)
-  assert decoder.tree_config == DARTreeConfig(topk=2, budget=5) and decoder.num_nodes == 5
-  assert make_decoder(target, greedy, 0, dflash, tree="chain").method == "dflash-chain"
-  assert make_decoder(target, greedy, 0, domino, tree="chain").num_nodes == BLOCK - 1
+  assert decoder.proposer.tree_config == DARTreeConfig(topk=2, budget=5)
+  assert decoder.proposer.num_nodes == 5
+  assert make_decoder(target, greedy, 0, dflash, tree="chain").proposer.method == "dflash-chain"
+  assert make_decoder(target, greedy, 0, domino, tree="chain").proposer.num_nodes == BLOCK - 1
 
 
 @pytest.mark.parametrize("target_fixture", ["smollm2", "smollm2_float32"])

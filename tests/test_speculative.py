@@ -7,13 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import dart_jax as dj
 from dart_jax.models import ModelConfig, Target
 from dart_jax.ngram import NGram
 from dart_jax.sampling import SamplingConfig, processed_log_probs
-from dart_jax.speculative import dart_prefill, dart_round
+from dart_jax.decode.dart import dart_decoder
 from dart_jax.tree import TreeConfig
 
 TARGETS = {
@@ -103,7 +102,7 @@ def test_generate_ranks_the_target_eos_last_unless_told_otherwise(smollm2):
   assert eos == smollm2.tokenizer.token_to_id("<|im_end|>")
 
   def decoder_eos(**kwargs):
-    return make_decoder(smollm2, SamplingConfig(), 0, head, **kwargs).tree_config.eos_id
+    return make_decoder(smollm2, SamplingConfig(), 0, head, **kwargs).proposer.tree_config.eos_id
 
   assert head.tree.eos_id == "target"
   assert decoder_eos() == eos
@@ -140,23 +139,16 @@ def test_oracle_head_reaches_maximum_acceptance(tiny):
   for b, p in enumerate(prompts):
     tokens[b, :len(p)] = p
   lens = jnp.asarray([len(p) for p in prompts])
-  sampling = SamplingConfig()
   capacity = 128
-  cache = target.new_cache(batch, capacity)
-  from dart_jax.models.transformer import KVCache
-  dcache = KVCache.create(1, batch, capacity + 2 * d + 2, head.config.num_kv_heads,
-                          head.config.head_dim)
-  _, state = dart_prefill(target.graphdef, target.params, head.graphdef, head.params,
-                          cache, dcache, jnp.asarray(tokens), lens, jax.random.PRNGKey(0),
-                          sampling=sampling, attn_impl="auto")
+  decoder = dart_decoder(target, head, sampling=SamplingConfig(), tree=TREE,
+                         context_ngram=False)
+  state, _ = decoder.start(jnp.asarray(tokens), lens, capacity)
   d2t = np.asarray(head.params["d2t"][...])
   for _ in range(5):
     root_pos = np.asarray(state.cache.lengths)
-    state = state.replace(draft_logits=_oracle_logits(full, root_pos, d, d2t, 97))
-    state, new_tokens, num_new = dart_round(
-        target.graphdef, target.params, head.graphdef, head.params, None, state,
-        jnp.ones(batch, bool), jax.random.PRNGKey(1), tree_config=TREE,
-        sampling=sampling, attend_len=capacity, attn_impl="auto", context_size=1)
+    oracle = _oracle_logits(full, root_pos, d, d2t, 97)
+    state = state.replace(draft=state.draft.replace(logits=oracle))
+    state, new_tokens, num_new = decoder.step(state, jnp.ones(batch, bool), capacity)
     np.testing.assert_array_equal(num_new, [d + 2] * batch)
     for b in range(batch):
       start = int(root_pos[b]) + 1

@@ -4,48 +4,49 @@
 (``dart_jax.draft``) hold weights only and import nothing from decoding, so the
 imports run one way: draft models <- decoders <- this table <- ``generate``.
 
-| ``draft``         | decoder                      | ``tree=``                                 |
+| ``draft``         | proposer (in ``SpeculativeDecoder``) | ``tree=``                          |
 |-------------------|------------------------------|-------------------------------------------|
 | None              | ``ARDecoder`` (plain)        | -                                         |
-| ``DartHead``      | ``DartDecoder`` (DART)       | a ``TreeConfig`` (default: the head's)    |
-| ``DFlashDrafter`` | ``DARTreeDecoder``           | "dartree" (default), "dartree-fixed", "ddtree", "chain" |
-| ``DartGruDrafter``| ``DartDecoder`` + ``CorrectedTrees`` | as DFlash (DART's round, DARTree's trees) |
+| ``DartHead``      | ``DartProposer`` (DART)      | a ``TreeConfig`` (default: the head's)    |
+| ``DFlashDrafter`` | ``DARTreeProposer``          | "dartree" (default), "dartree-fixed", "ddtree", "chain" |
+| ``DartGruDrafter``| ``DartGruProposer``          | as DFlash (DART's drafting, DARTree's trees) |
 """
 
-from dart_jax.dartree_decode import CorrectedTrees, DARTreeDecoder, tree_options
 from dart_jax.decode.ar import ARDecoder, Decoder
+from dart_jax.decode.dart import dart_decoder, dart_gru_decoder
+from dart_jax.decode.dartree import dartree_decoder, tree_options
 from dart_jax.draft.dart_gru import DartGruDrafter
 from dart_jax.draft.dart_head import DartHead
 from dart_jax.draft.dflash import DFlashDrafter
 from dart_jax.errors import InputError
 from dart_jax.models.target import Target
 from dart_jax.sampling import SamplingConfig
-from dart_jax.speculative import DartDecoder
-from dart_jax.tree.dartree import DARTreeConfig, num_tree_nodes
+from dart_jax.tree.dartree import DARTreeConfig
 
 
 def _dart(target, head: DartHead, *, sampling, seed=0, ngram=None, tree=None, **kwargs):
-  return DartDecoder(target, head, sampling=sampling, seed=seed, ngram=ngram,
-                     tree=tree if tree is not None else head.tree, **kwargs)
+  return dart_decoder(target, head, sampling=sampling, seed=seed, ngram=ngram, tree=tree,
+                      **kwargs)
 
 
-def _dartree(target, drafter: DFlashDrafter, *, sampling, seed=0, ngram=None,
-             tree="dartree", **kwargs):
-  return DARTreeDecoder(target, drafter, sampling=sampling, seed=seed, ngram=ngram,
-                        tree=tree, **kwargs)
+def _tree_method(name: str, has_correction, make):
+  """A DARTree-style factory: ``tree=`` / ``tree_config=`` / fields -> ``make``."""
+
+  def factory(target, drafter, *, sampling, seed=0, ngram=None, tree="dartree",
+              tree_config: DARTreeConfig | None = None, profile: bool = False,
+              **overrides):
+    if ngram is not None:
+      raise InputError(f"{name} methods use no N-gram model; drop ngram=...")
+    method, tree_config = tree_options(tree, tree_config, overrides,
+                                       has_correction(drafter))
+    return make(target, drafter, method, tree_config, sampling=sampling, seed=seed,
+                profile=profile)
+
+  return factory
 
 
-def _dart_gru(target, drafter: DartGruDrafter, *, sampling, seed=0, ngram=None,
-              tree="dartree", tree_config: DARTreeConfig | None = None,
-              profile: bool = False, **overrides):
-  if ngram is not None:
-    raise InputError("DART-GRU trees use no N-gram model; drop ngram=...")
-  method, tree_config = tree_options(tree, tree_config, overrides, True)
-  c = drafter.config
-  builder = CorrectedTrees(method, tree_config, num_tree_nodes(
-      method, tree_config, c.num_levels, c.draft_vocab_size))
-  return DartDecoder(target, drafter, sampling=sampling, seed=seed, profile=profile,
-                     builder=builder)
+_dartree = _tree_method("DARTree", lambda drafter: drafter.domino, dartree_decoder)
+_dart_gru = _tree_method("DART-GRU", lambda drafter: True, dart_gru_decoder)
 
 
 # Checked in order: the first class the drafter is an instance of decides.

@@ -15,7 +15,7 @@ batched call per depth. DART-GRU puts the two together:
 - Trees: ``dartree_build`` over the D+1 levels (``tree="dartree"`` pruned,
   ``"dartree-fixed"``, ``"chain"`` = the corrected greedy chain, and the
   uncorrected baselines ``"ddtree"`` / ``"dflash-chain"``), then DART's verify,
-  accept and draft phases (``dart_jax.speculative``, one round implementation).
+  accept and draft phases (``dart_jax.decode.dart``, the shared round).
 
 Vocabulary: the correction lives in the DART head's DRAFT vocabulary. The
 base logits only cover the Vd draft ids (the tree's candidates are always

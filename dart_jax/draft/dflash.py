@@ -523,7 +523,7 @@ class DFlashDrafter:
   ``generate(target, prompt, draft=drafter, tree=...)`` decodes with it; tree
   methods: "dartree" (pruned, default), "dartree-fixed", "ddtree", "chain"
   (Domino chain with the head, DFlash chain without), "dflash-chain",
-  "domino-chain". See ``dart_jax.dartree_decode``.
+  "domino-chain". See ``dart_jax.decode.dartree``.
   """
 
   config: DFlashConfig

@@ -1,12 +1,18 @@
-"""Lossless acceptance of a verified draft tree (greedy and sampling).
+"""Verification: one target pass over a draft tree, lossless acceptance, compaction.
+
+Every speculative method verifies the same way (``docs/algorithms.md``,
+"Verification"): ``verify_trees`` runs the target over ``[root] + tree`` with
+the tree's ancestor mask, ``accept_and_compact`` accepts a path, writes the
+emitted tokens to the history and keeps only the accepted rows of the cache.
+
+Acceptance (greedy and sampling):
 
 Sample-and-match: the target draws one token at every tree node (argmax at
 temperature 0, a sample from the processed distribution otherwise); walking from
 the root, a child is accepted while its token equals the token drawn at its
 parent, and the token drawn at the last accepted node is the next root. Along
 the accepted path every token is exactly a draw from the target given its prefix,
-so the output distribution is the target's at any temperature (spec dart.md
-section 6, dartree.md section 4). It is equivalent to trying the distinct children
+so the output distribution is the target's at any temperature. It is equivalent to trying the distinct children
 in turn with probability p(x) and renormalising after each rejection.
 """
 
@@ -14,8 +20,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
+from dart_jax.models import layers
+from dart_jax.models.transformer import KVCache
 from dart_jax.sampling import SamplingConfig, sample
+from dart_jax.tree import Tree
 
 
 class Acceptance(NamedTuple):
@@ -85,3 +95,34 @@ def accept_tree(tokens: jax.Array, parents: jax.Array, depth: jax.Array,
   new_tokens = jnp.where(levels[None, :] == last_depth[:, None], bonus[:, None], new_tokens)
   return Acceptance(path=path.astype(jnp.int32), num_new=(last_depth + 1).astype(jnp.int32),
                     new_tokens=new_tokens.astype(jnp.int32))
+
+
+def verify_trees(target_graphdef, target_params, cache: KVCache, tree: Tree, *,
+                 attend_len: int, taps: tuple[int, ...], attn_impl: str):
+  """One target pass over ``[root] + tree`` at positions ``length + depth``.
+
+  tree: a batched ``Tree`` (tokens / depth [B, N+1], mask [B, N+1, N+1]).
+  Returns the model output: logits [B, N+1, V], taps [B, N+1, n*H] of the
+  ``taps`` layers, and the cache with the tree's rows written past ``lengths``.
+  """
+  target_model = nnx.merge(target_graphdef, target_params)
+  return target_model(tree.tokens, cache.lengths[:, None] + tree.depth, cache, tree.mask,
+                      attend_len=attend_len, taps=taps, attn_impl=attn_impl)
+
+
+def accept_and_compact(tree: Tree, out, history: jax.Array, active: jax.Array,
+                       key: jax.Array, *, sampling: SamplingConfig, max_depth: int):
+  """Acceptance, history update and KV compaction after ``verify_trees``.
+
+  history: [B, C] committed tokens with the root at ``cache.lengths``; the
+  emitted tokens go right after it, so the new root lands at the new length.
+  active: [B] rows still decoding (a finished row's cache does not advance).
+  Returns (``Acceptance``, compacted cache, history, advance [B], taps of the
+  accepted path [B, A, n*H], root first).
+  """
+  acc = accept_tree(tree.tokens, tree.parents, tree.depth, tree.num_nodes, out.logits,
+                    key, sampling, max_depth=max_depth)
+  advance = acc.num_new * active.astype(jnp.int32)
+  history = layers.write_rows(history, acc.new_tokens, out.cache.lengths + 1)
+  cache = out.cache.compact(acc.path, advance)
+  return acc, cache, history, advance, layers.gather_rows(out.taps, acc.path)
