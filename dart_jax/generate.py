@@ -212,8 +212,8 @@ def _decode_text(target: Target, ids: list[int]) -> str:
 
 def generate_stream(target: Target, prompt, *, max_new_tokens: int = 128,
                     temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                    seed: int = 0, chat: bool = True, draft=None, ngram=None,
-                    max_length: int | None = None,
+                    seed: int = 0, chat: bool = True, method=None, draft=None,
+                    ngram=None, max_length: int | None = None,
                     eos_token_ids: Sequence[int] | None = None,
                     stats_out: dict | None = None,
                     **method_kwargs) -> Iterator[Any]:
@@ -227,7 +227,8 @@ def generate_stream(target: Target, prompt, *, max_new_tokens: int = 128,
     raise InputError("streaming text needs a tokenizer; use generate() with token ids")
   sampling = SamplingConfig(temperature, top_p, top_k)
   prompt_ids, is_batch = encode_prompts(target, prompt, chat)
-  decoder = make_decoder(target, sampling, seed, draft, ngram, **method_kwargs)
+  decoder = make_decoder(target, sampling, seed, draft, ngram, method=method,
+                         **method_kwargs)
   stream = [target.tokenizer.stream_decoder() for _ in prompt_ids]
   for chunk, stats in run_rounds(target, prompt_ids, decoder, max_new_tokens,
                                  stop_token_ids(target, eos_token_ids), max_length):
@@ -247,7 +248,7 @@ def generate_stream(target: Target, prompt, *, max_new_tokens: int = 128,
 
 def generate(target: Target, prompt, *, max_new_tokens: int = 128,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-             seed: int = 0, chat: bool = True, draft=None, ngram=None,
+             seed: int = 0, chat: bool = True, method=None, draft=None, ngram=None,
              max_length: int | None = None,
              eos_token_ids: Sequence[int] | None = None,
              **method_kwargs) -> GenerateOutput:
@@ -261,23 +262,31 @@ def generate(target: Target, prompt, *, max_new_tokens: int = 128,
     temperature, top_p, top_k: target sampling (temperature 0 = greedy). Applied in
       that order; speculative decoding samples from exactly this distribution.
     seed: RNG seed.
-    draft: None for plain autoregressive decoding, or a draft model (e.g. a DART
-      head from ``load_dart``).
-    ngram: N-gram table for DART's tree search.
+    method: None for plain autoregressive decoding, or a speculative method:
+      ``dj.DART(head, ngram, tree=TreeConfig(...))``, ``dj.DARTree(drafter,
+      "dartree", DARTreeConfig(...))`` or ``dj.DartGru(drafter, ...)``
+      (``dart_jax.decode.methods``).
+    draft: the older form of ``method``: a draft model (a DART head from
+      ``load_dart``, a DFlash / Domino / DART-GRU drafter); its options come as
+      ``ngram=`` and ``**method_kwargs``. Give ``method`` or ``draft``, not both.
+    ngram: N-gram table for DART's tree search (with ``draft=``).
     max_length: cache capacity (prompt + generation); default the model's
       ``max_position_embeddings``.
     eos_token_ids: stop tokens; default the model's and tokenizer's EOS ids; ``()``
       never stops early.
-    **method_kwargs: options of the draft method, e.g. for DART
+    **method_kwargs: ``profile=True`` times the round's phases (``stats.phase_s``);
+      with ``draft=``, the method's options, e.g. for DART
       ``tree=TreeConfig(...)`` and ``context_ngram=True|False|ContextNGramConfig``
       (default on: the search also uses the sequence's own n-grams, see
-      ``dart_jax.ngram.context``; False = the reference search).
+      ``dart_jax.ngram.context``; False = the reference search); for DARTree
+      ``tree="dartree"`` and ``tree_config=DARTreeConfig(...)`` or its fields.
   Returns:
     ``GenerateOutput`` with ``.tokens``, ``.text`` and ``.stats``.
   """
   sampling = SamplingConfig(temperature, top_p, top_k)
   prompt_ids, is_batch = encode_prompts(target, prompt, chat)
-  decoder = make_decoder(target, sampling, seed, draft, ngram, **method_kwargs)
+  decoder = make_decoder(target, sampling, seed, draft, ngram, method=method,
+                         **method_kwargs)
   emitted = [[] for _ in prompt_ids]
   stats = GenerateStats()
   for chunk, stats in run_rounds(target, prompt_ids, decoder, max_new_tokens,

@@ -43,7 +43,7 @@ Methods:
 
 Tree budgets: ``--tree-budget auto`` (dart) and ``--dartree-budget auto`` (ddtree,
 dartree-fixed, dartree, dart-gru, dart-gru-fixed; the chains take no budget)
-choose the budget before the bench from measurements (``infer.tree_budget``):
+choose the budget before the bench from measurements (``dart_jax.tree_budget``):
 the target's verify seconds per tree size, one calibration run of the method
 (greedy, a fixed non-benchmark prompt, the largest candidate tree) for its
 acceptance length and round overhead, and the budget with the best expected

@@ -3,7 +3,7 @@
 The method names, the parser (its DARTree part, ``add_dartree_args``, is shared
 with ``infer.main``), the checks of the drafter and tree options, and the
 drafters, DART heads and trees they name (``--dartree-budget auto`` and
-``--tree-budget auto`` measure theirs with ``infer.tree_budget``).
+``--tree-budget auto`` measure theirs with ``dart_jax.tree_budget``).
 """
 
 import argparse
@@ -11,28 +11,30 @@ import dataclasses
 from typing import Any, Sequence
 
 import dart_jax as dj
+from dart_jax.decode.methods import METHODS as REGISTRY
+from dart_jax.decode.methods import method_names
 from dart_jax.errors import InputError
 from dart_jax.models import precision
 from dart_jax.tree.dartree import DARTreeConfig
-from infer import tree_budget as tb
+from dart_jax import tree_budget as tb
 
+# Views of the one method registry (``dart_jax.decode.methods.METHODS``).
 # DARTree methods (``dart_jax.generate``'s ``tree=`` names), baselines first; the
 # DFlash ones read only the backbone's uncorrected marginals, the Domino ones need
 # the correction head.
-DARTREE_METHODS = ("dflash-chain", "domino-chain", "ddtree", "dartree-fixed", "dartree")
-DFLASH_METHODS = ("dflash-chain", "ddtree")
-DOMINO_METHODS = ("domino-chain", "dartree-fixed", "dartree")
+DARTREE_METHODS = method_names(family="dartree")
+DFLASH_METHODS = method_names(family="dartree", drafter="dflash")
+DOMINO_METHODS = method_names(family="dartree", drafter="domino")
 # DART-GRU methods -> ``generate``'s ``tree=`` name for a DART-GRU drafter.
-DART_GRU_TREES = {"dart-gru": "dartree", "dart-gru-fixed": "dartree-fixed",
-                  "dart-gru-chain": "chain"}
+DART_GRU_TREES = {m: REGISTRY[m].tree for m in method_names(family="dart_gru")}
 DART_GRU_METHODS = tuple(DART_GRU_TREES)
 # ``generate`` tree names whose size is ``--dartree-budget`` (chains ignore it).
-BUDGET_TREES = ("ddtree", "dartree-fixed", "dartree")
+BUDGET_TREES = tuple(REGISTRY[m].tree for m in DARTREE_METHODS if REGISTRY[m].uses_budget)
 # DART with the context N-gram as ``--context-ngram`` says, and always without it.
-DART_METHODS = ("dart", "dart-no-context")
-METHODS = ("ar",) + DART_METHODS + DARTREE_METHODS + DART_GRU_METHODS + ("hf",)
+DART_METHODS = method_names(family="dart")
+METHODS = method_names()
 # Speculative methods whose greedy output must equal AR's token for token.
-LOSSLESS_METHODS = DART_METHODS + DARTREE_METHODS + DART_GRU_METHODS
+LOSSLESS_METHODS = method_names(lossless=True)
 # Exit status of infer.bench when a lossless method's greedy output differs from AR's.
 GREEDY_MISMATCH_EXIT = 3
 
@@ -80,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "head: the N-gram shipped with it)")
   p.add_argument("--tree-budget", default=None,
                  help="DART draft nodes per round (remain_total) or 'auto' to choose "
-                      "from measured verify costs (see infer/tree_budget.py); default: "
+                      "from measured verify costs (see dart_jax/tree_budget.py); default: "
                       "TreeConfig's default, which is large for a CPU")
   p.add_argument("--topk", type=int, default=None,
                  help="tree search top-k per level (default min(25, budget))")
@@ -149,7 +151,7 @@ def add_dartree_args(p: argparse.ArgumentParser) -> None:
                       "uses a budget (ddtree, dartree-fixed, dartree, dart-gru, "
                       "dart-gru-fixed) it times the target's verify pass per tree size "
                       "(once, shared) and runs one calibration, then picks the budget "
-                      "of the best expected tokens/s (see infer/tree_budget.py)")
+                      "of the best expected tokens/s (see dart_jax/tree_budget.py)")
   g.add_argument("--dartree-width", type=int, default=None,
                  help=f"dartree (pruned): supertree pairs kept per depth (default "
                       f"{defaults.supertree_width})")

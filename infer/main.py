@@ -12,10 +12,14 @@ import argparse
 import sys
 
 import dart_jax as dj
+from dart_jax.decode.methods import METHODS as REGISTRY
+from dart_jax.decode.methods import method_names
 from dart_jax.models import precision
 from infer import bench_options
 
-METHODS = ("ar", "dart") + bench_options.DARTREE_METHODS + bench_options.DART_GRU_METHODS
+# The registry's methods this CLI runs; DART's context N-gram is --context-ngram here.
+METHODS = tuple(m for m in method_names(family=("ar", "dart", "dartree", "dart_gru"))
+                if REGISTRY[m].context_ngram)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 import dart_jax as dj
 from dart_jax.models import precision
-from infer import tree_budget
+from dart_jax import tree_budget
 
 DOT_SHAPES = {"lm_head": (576, 49152), "mlp_up": (576, 1536), "mlp_down": (1536, 576)}
 ROWS = (1, 2, 9, 16, 32, 64, 128, 512)

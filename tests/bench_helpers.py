@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmark and tree budget tests (infer.bench*, infer.tree_budget)."""
+"""Shared pieces of the benchmark and tree budget tests (infer.bench*, dart_jax.tree_budget)."""
 
 import functools
 import pathlib

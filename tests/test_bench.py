@@ -7,7 +7,7 @@ import pytest
 
 import dart_jax as dj
 from infer import bench, bench_report, datasets
-from infer import tree_budget as tb
+from dart_jax import tree_budget as tb
 from tests import bench_helpers
 from tests.bench_helpers import DRAFT_LENGTH, FIXTURES
 

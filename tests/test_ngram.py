@@ -49,7 +49,7 @@ def hand_path(tmp_path):
 
 
 def naive_counts(sequences, order):
-  """count(g) = windows seq[s:s+order] that begin with g (spec section 5)."""
+  """count(g) = windows seq[s:s+order] that begin with g."""
   counts = collections.Counter()
   for seq in sequences:
     seq = list(seq)

@@ -1,4 +1,4 @@
-"""The tree budget (infer.tree_budget): the pure choice and the measured one."""
+"""The tree budget (dart_jax.tree_budget): the pure choice and the measured one."""
 
 import math
 
@@ -7,7 +7,7 @@ import pytest
 
 import dart_jax as dj
 from dart_jax.tree.dartree import DARTreeConfig
-from infer import tree_budget as tb
+from dart_jax import tree_budget as tb
 from tests import bench_helpers
 from tests.bench_helpers import DRAFT_LENGTH
 

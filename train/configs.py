@@ -20,6 +20,7 @@ import types
 import typing
 from typing import Any, Mapping, Sequence
 
+from dart_jax.decode.methods import DRAFTER_KINDS
 from dart_jax.errors import ConfigError
 from dart_jax.models import precision
 
@@ -36,7 +37,6 @@ SMOLLM2_SELF_DISTILLED_EVAL = os.path.join(SAMPLE_DATA_DIR,
 # The first 192 conversations: the data of the documented Domino and DART-GRU runs.
 SMOLLM2_FIRST_BATCHES = 192
 REQUIRED = "REQUIRED"  # A path the user must set (no sensible default exists).
-DRAFTER_KINDS = ("dart", "dflash", "domino", "dart_gru")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +81,8 @@ class HeadSection:
 
 @dataclasses.dataclass(frozen=True)
 class DFlashSection:
-  """The DFlash / Domino drafter (``head.kind`` "dflash" / "domino"; spec
-  ``dartree.md`` sections 1-2). Heads and head_dim follow the target.
+  """The DFlash / Domino drafter (``head.kind`` "dflash" / "domino";
+  ``docs/algorithms.md``, "DARTree"). Heads and head_dim follow the target.
 
   block_size: B, the root plus B-1 mask slots (B-1 draft depths).
   num_layers: drafter layers (Qwen3-style).

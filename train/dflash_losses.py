@@ -1,4 +1,4 @@
-"""The DFlash and Domino training objectives (spec ``dartree.md`` sections 1-2).
+"""The DFlash and Domino training objectives (``docs/algorithms.md``, "Training").
 
 One packed row of T tokens (x_p, loss_mask, segment ids) trains many blocks at
 once, in one pass of the frozen target and one masked pass of the drafter:

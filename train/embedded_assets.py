@@ -11,7 +11,7 @@
 - Head: the exported head is re-saved with float16 weights (half the bytes; the
   drafts only steer the speculation, outputs stay the target's).
 - Tree: ``--tree-budget auto`` measures this machine's verify costs and the
-  head's acceptance (``infer.tree_budget``) and stores the chosen ``TreeConfig``
+  head's acceptance (``dart_jax.tree_budget``) and stores the chosen ``TreeConfig``
   fields; ``dj.load_dart()`` hands them to ``generate`` as the shipped head's
   default tree. An integer fixes the budget instead.
 - ``manifest.json`` records sizes, the tree and the inputs' SHA-256, so a rebuilt
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
   p.add_argument("--order", type=int, default=3)
   p.add_argument("--min-count", type=int, default=2)
   p.add_argument("--tree-budget", default="8",
-                 help="'auto' (measure, see infer/tree_budget.py) or draft nodes per round")
+                 help="'auto' (measure, see dart_jax/tree_budget.py) or draft nodes per round")
   args = p.parse_args(argv)
   try:
     target = dj.load_target(args.model)

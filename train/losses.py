@@ -1,4 +1,4 @@
-"""The DART training objective (spec ``dart.md`` sections 2 and 7).
+"""The DART training objective (``docs/algorithms.md``, "Training").
 
 One row of T real positions (tokens x_p, target taps h_p) trains many anchors
 at once. Layout of the head's attention rows: the T real rows first, then D

@@ -2,7 +2,7 @@
 
 DART's head drafts D+1 levels in one pass, but each level's distribution is a
 marginal: it does not depend on the tokens chosen at the earlier levels of a
-path. Domino's correction head (spec ``dartree.md`` section 2) fixes that along
+path. Domino's correction head (``docs/algorithms.md``, "DARTree") fixes that along
 a path, and DARTree (section 3) applies it to every branch of a tree in one
 batched call per depth. DART-GRU puts the two together:
 
@@ -64,8 +64,7 @@ class DartGruConfig:
 
   emb_dim: E, width of ``embed_proj``; gru_hidden_dim: G, the GRU state size;
   pure_draft_prefix_len: the first levels use the uncorrected DART logits.
-  The properties the DART decoding round reads (``draft_length``,
-  ``tap_layers``, ...) are the DART head's.
+  The head's own sizes are ``dart``'s (``config.dart.draft_length``, ...).
   """
 
   dart: DartConfig
@@ -81,34 +80,6 @@ class DartGruConfig:
     if not 0 <= self.pure_draft_prefix_len < self.dart.num_levels:
       raise ConfigError(f"DART-GRU pure_draft_prefix_len={self.pure_draft_prefix_len} "
                         f"must be in [0, {self.dart.num_levels}) (the head's levels)")
-
-  @property
-  def draft_length(self):
-    return self.dart.draft_length
-
-  @property
-  def num_levels(self):
-    return self.dart.num_levels
-
-  @property
-  def tap_layers(self):
-    return self.dart.tap_layers
-
-  @property
-  def num_kv_heads(self):
-    return self.dart.num_kv_heads
-
-  @property
-  def head_dim(self):
-    return self.dart.head_dim
-
-  @property
-  def hidden_size(self):
-    return self.dart.hidden_size
-
-  @property
-  def draft_vocab_size(self):
-    return self.dart.draft_vocab_size
 
   def to_json(self) -> dict:
     """``correction.json``: the correction's sizes and what it was built for."""
@@ -151,13 +122,13 @@ class CorrectionModule(nnx.Module):
   def __init__(self, c: DartGruConfig, *, rngs: nnx.Rngs,
                precision: Precision | Any = jnp.float32):
     self.config = c
-    h = c.hidden_size  # the DART hidden and the target embedding have the same size
+    h = c.dart.hidden_size  # the DART hidden and the target embedding have the same size
     # Small matrices read by float32 tree-building math: compute dtype throughout.
     precision = precision_lib.resolve(precision).uniform()
     self.prefix_gru = GRU(h, c.gru_hidden_dim, rngs=rngs, precision=precision)
     self.embed_proj_in = layers.linear(h + c.gru_hidden_dim, c.emb_dim, rngs=rngs,
                                        precision=precision)
-    self.embed_proj_out = layers.linear(c.emb_dim, c.draft_vocab_size, rngs=rngs,
+    self.embed_proj_out = layers.linear(c.emb_dim, c.dart.draft_vocab_size, rngs=rngs,
                                         precision=precision)
 
   def correction_head(self, embed_table: jax.Array, hidden: jax.Array) -> CorrectionHead:
@@ -167,23 +138,13 @@ class CorrectionModule(nnx.Module):
 
 
 class DartGruModule(nnx.Module):
-  """The DART head and its correction as one module; it drafts like a DART head
-  (``levels``, ``logits``) so that DART's decoding round runs it."""
+  """The DART head and its correction as one module (one parameter tree)."""
 
   def __init__(self, config: DartGruConfig, dart: DartHeadModule,
                correction: CorrectionModule):
     self.config = config
     self.dart = dart
     self.correction = correction
-
-  def levels(self, *args, **kwargs):
-    return self.dart.levels(*args, **kwargs)
-
-  def logits(self, hidden: jax.Array) -> jax.Array:
-    return self.dart.logits(hidden)
-
-  def __call__(self, *args, **kwargs):
-    return self.dart(*args, **kwargs)
 
   def correction_head(self, embed_table: jax.Array, hidden: jax.Array) -> CorrectionHead:
     return self.correction.correction_head(embed_table, hidden)

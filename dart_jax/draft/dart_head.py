@@ -1,6 +1,6 @@
 """The DART draft head: one Llama-style layer that drafts D+1 levels in one pass.
 
-See ``shared/spec/dart.md`` section 2. Parameter names follow the reference
+See ``docs/algorithms.md``, "DART". Parameter names follow the reference
 release (``fc.``, ``midlayer.*``, ``norm.``, ``lm_head.``, buffers ``d2t``/``t2d``)
 so released heads load and heads trained here run in the reference.
 """

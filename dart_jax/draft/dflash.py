@@ -1,6 +1,6 @@
 """The DFlash block-diffusion drafter and the Domino GRU correction head (DARTree).
 
-See ``shared/spec/dartree.md`` sections 1-2.
+See ``docs/algorithms.md``, "DARTree".
 
 - DFlash backbone: the outputs of target layers ``target_layer_ids`` are
   concatenated and turned into a context feature ``hidden_norm(fc(.))`` for

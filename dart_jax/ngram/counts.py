@@ -1,6 +1,6 @@
 """Vectorised n-gram counting and pruning with the reference semantics.
 
-Counting (spec section 5): for every start ``s`` of a sequence, the window
+Counting (``docs/algorithms.md``, "DART"): for every start ``s`` of a sequence, the window
 ``seq[s:s+order]`` (shorter at the end of the sequence) is inserted into a trie
 and every node on its path, root included, gets +1. So ``count(g)`` is the
 number of windows that begin with ``g``: the number of occurrences of ``g``

@@ -1,4 +1,4 @@
-"""`NGram`: the host-side n-gram model of DART (spec section 5)."""
+"""`NGram`: the host-side n-gram model of DART (``docs/algorithms.md``, "DART")."""
 
 import os
 from typing import Sequence

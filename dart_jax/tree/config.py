@@ -1,4 +1,4 @@
-"""`TreeConfig`: hyper-parameters of the DART tree search (spec section 4)."""
+"""`TreeConfig`: hyper-parameters of the DART tree search (``docs/algorithms.md``, "DART")."""
 
 import dataclasses
 from typing import Callable

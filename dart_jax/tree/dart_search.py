@@ -1,4 +1,4 @@
-"""DART tree search (spec section 4) as one static-shape jittable function.
+"""DART tree search (``docs/algorithms.md``, "DART") as one static-shape jittable function.
 
 Formulation. Level l expands the B_l beam members (B_0 = 1, B_{l+1} =
 min(beam_width, B_l * k)) into B_l * k children, all recorded in fixed arrays

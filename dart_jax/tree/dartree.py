@@ -1,4 +1,4 @@
-"""DARTree tree builders and their baselines (spec dartree.md section 3).
+"""DARTree tree builders and their baselines (``docs/algorithms.md``, "DARTree").
 
 All builders take one round's drafter output for ONE sequence (vmap them over
 the batch) and return the same padded ``Tree`` the verifier consumes:

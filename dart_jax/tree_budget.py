@@ -64,9 +64,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dart_jax.decode.methods import method_for
 from dart_jax.errors import InputError
-from dart_jax.generate import attend_bucket
+from dart_jax.generate import attend_bucket, generate
 from dart_jax.tree import TreeConfig
+from dart_jax.tree.dartree import DARTreeConfig, num_tree_nodes
 
 VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_TOPK = 25
@@ -290,14 +292,12 @@ def calibrate(target, method_kwargs: dict, *, prompt: str = CALIBRATION_PROMPT,
   The first run (which compiles) gives the acceptance length; a shorter second run,
   compiled by then, gives the round time.
   """
-  import dart_jax as dj  # Local: keeps this module importable without loading models.
-
   # Without a tokenizer (random test targets) a fixed run of token ids stands in.
   prompt_arg = prompt if target.tokenizer is not None else [
       i % target.config.vocab_size for i in range(1, 33)]
   kwargs = dict(method_kwargs, temperature=0.0, seed=seed)
-  first = dj.generate(target, prompt_arg, max_new_tokens=CALIBRATION_TOKENS, **kwargs)
-  timed = dj.generate(target, prompt_arg, max_new_tokens=TIMING_TOKENS, **kwargs)
+  first = generate(target, prompt_arg, max_new_tokens=CALIBRATION_TOKENS, **kwargs)
+  timed = generate(target, prompt_arg, max_new_tokens=TIMING_TOKENS, **kwargs)
   s = timed.stats
   decode_s = s.total_s - s.time_to_first_token_s
   round_s = decode_s / s.rounds if s.rounds else float("nan")
@@ -412,25 +412,15 @@ def dartree_family(drafter, method: str = "dartree", base_config=None, *,
 
   method: "dartree", "dartree-fixed" or "ddtree" (chains take no budget);
   label: the method's name in the log (default ``method``).
-  Raises InputError for a chain or an unknown drafter, ConfigError for a
-  method the drafter cannot run.
+  Raises InputError for a chain or a drafter that builds no DARTree trees,
+  ConfigError for a method the drafter cannot run.
   """
-  from dart_jax.draft.dart_gru import DartGruDrafter  # Local: see ``calibrate``.
-  from dart_jax.draft.dflash import DFlashDrafter
-  from dart_jax.tree.dartree import DARTreeConfig, num_tree_nodes, resolve_method
-
   base_config = base_config or DARTreeConfig()
-  if isinstance(drafter, DFlashDrafter):
-    c = drafter.config
-    resolved = resolve_method(method, drafter.domino)
-    depths, vocab, taps = c.num_depths, c.vocab_size, tuple(c.taps)
-  elif isinstance(drafter, DartGruDrafter):
-    c = drafter.config
-    resolved = resolve_method(method, True)
-    depths, vocab, taps = c.num_levels, c.draft_vocab_size, tuple(c.tap_layers)
-  else:
+  typed = method_for(drafter, tree=method, tree_config=base_config)
+  if not hasattr(typed, "tree_facts"):
     raise InputError(f"the DARTree budget needs a DFlashDrafter or DartGruDrafter, got "
                      f"{type(drafter).__name__}")
+  resolved, depths, vocab, taps = typed.tree_facts()
   if resolved in ("dflash-chain", "domino-chain"):
     raise InputError(f"method {method!r} is a chain of {depths} nodes: it takes no "
                      "budget to choose")
