@@ -91,3 +91,11 @@ def test_registry_is_consistent():
     assert (info.drafter is None) == (info.family in ("ar", "hf"))
   np.testing.assert_array_equal(sorted(methods.DRAFTER_KINDS),
                                 ["dart", "dart_gru", "dflash", "domino"])
+
+
+def test_every_drafter_kind_has_one_training_objective():
+  from train import objectives
+
+  assert set(objectives.OBJECTIVES) == set(methods.DRAFTER_KINDS)
+  for kind, objective in objectives.OBJECTIVES.items():
+    assert objectives.for_config_type(objective.CONFIG_TYPE) is objective, kind

@@ -7,35 +7,35 @@ import os
 import pytest
 
 from dart_jax.errors import ConfigError
-from train import configs
+from train import configs, overrides, presets
 
 
 def test_presets_exist_and_are_consistent():
-  assert {"tiny", "smollm2_dart", "qwen3_8b_dart"} <= set(configs.PRESETS)
-  tiny = configs.load_config("tiny")
+  assert {"tiny", "smollm2_dart", "qwen3_8b_dart"} <= set(presets.PRESETS)
+  tiny = overrides.load_config("tiny")
   assert os.path.isfile(os.path.join(tiny.target.path, "config.json"))
   assert all(os.path.isfile(p) for p in tiny.data.train)
-  smol = configs.load_config("smollm2_dart")
+  smol = overrides.load_config("smollm2_dart")
   assert smol.target.path is None  # the embedded SmolLM2 target
   assert 8192 <= smol.head.draft_vocab_size <= 16384 and smol.head.draft_length == 5
   assert all(os.path.isfile(p) for p in smol.data.train)  # the bundled self-distilled data
   assert smol.data.eval and all(os.path.isfile(p) for p in smol.data.eval)
-  assert configs.load_config("qwen3_8b_dart").target.path == configs.REQUIRED
+  assert overrides.load_config("qwen3_8b_dart").target.path == configs.REQUIRED
 
 
 def test_dflash_presets_and_config_errors():
   for name, kind in [("tiny_dflash", "dflash"), ("tiny_domino", "domino"),
                      ("smollm2_domino", "domino"), ("qwen3_8b_dflash", "dflash"),
                      ("qwen3_8b_domino", "domino")]:
-    c = configs.load_config(name)
+    c = overrides.load_config(name)
     assert c.head.kind == kind, name
-  smol = configs.load_config("smollm2_domino")
+  smol = overrides.load_config("smollm2_domino")
   assert smol.target.path is None and smol.dflash.num_layers in (1, 2)
   assert 6 <= smol.dflash.block_size <= 10
-  qwen = configs.load_config("qwen3_8b_domino")
+  qwen = overrides.load_config("qwen3_8b_domino")
   assert qwen.target.path == configs.REQUIRED and qwen.dflash.block_size == 16
   assert (qwen.dflash.emb_dim, qwen.dflash.gru_hidden_dim) == (256, 1024)
-  c = configs.load_config("tiny", ["head.kind=domino", "dflash.block_size=6",
+  c = overrides.load_config("tiny", ["head.kind=domino", "dflash.block_size=6",
                                    "dflash.target_layer_ids=0,2", "loss.position_gamma=inf"])
   assert c.dflash.target_layer_ids == (0, 2) and math.isinf(c.loss.position_gamma)
   for override, message in [("head.kind=eagle", "head.kind must be one of"),
@@ -44,11 +44,11 @@ def test_dflash_presets_and_config_errors():
                             ("dflash.blok_size=8", "did you mean 'block_size'"),
                             ("head.init_from=/x", "dflash.init_from")]:
     with pytest.raises(ConfigError, match=message):
-      configs.load_config("tiny_domino", [override])
+      overrides.load_config("tiny_domino", [override])
 
 
 def test_overrides_are_parsed_with_the_field_types():
-  c = configs.load_config("tiny", [
+  c = overrides.load_config("tiny", [
       "optim.learning_rate=1e-3", "steps=7", "progress=false", "data.train=a.jsonl,b.jsonl",
       "head.init_from=none", "target.path=/x", "loss.level_decay=0.5", "mesh.fsdp=2"])
   assert c.optim.learning_rate == 1e-3 and isinstance(c.optim.learning_rate, float)
@@ -56,7 +56,7 @@ def test_overrides_are_parsed_with_the_field_types():
   assert c.data.train == ("a.jsonl", "b.jsonl")
   assert c.head.init_from is None and c.target.path == "/x"
   assert c.loss.level_decay == 0.5 and c.mesh.fsdp == 2
-  assert c.batch_size == configs.PRESETS["tiny"].batch_size  # untouched
+  assert c.batch_size == presets.PRESETS["tiny"].batch_size  # untouched
 
 
 @pytest.mark.parametrize("override, message", [
@@ -73,42 +73,42 @@ def test_overrides_are_parsed_with_the_field_types():
 ])
 def test_bad_overrides_are_clear_errors(override, message):
   with pytest.raises(ConfigError, match=message):
-    configs.load_config("tiny", [override])
+    overrides.load_config("tiny", [override])
 
 
 def test_target_precision_modes_are_accepted():
   for mode in ("auto", "fast", "fast-rows", "float32", "bfloat16"):
-    assert configs.load_config("tiny", [f"target.dtype={mode}"]).target.dtype == mode
+    assert overrides.load_config("tiny", [f"target.dtype={mode}"]).target.dtype == mode
 
 
 def test_json_config_file_with_base_preset(tmp_path):
   path = tmp_path / "run.json"
   path.write_text(json.dumps({"base": "tiny", "steps": 12, "optim": {"learning_rate": 0.002},
                               "data": {"train": ["x.jsonl"]}}))
-  c = configs.load_config(str(path), ["batch_size=4"])
+  c = overrides.load_config(str(path), ["batch_size=4"])
   assert c.steps == 12 and c.optim.learning_rate == 0.002 and c.data.train == ("x.jsonl",)
-  assert c.batch_size == 4 and c.head == configs.PRESETS["tiny"].head
+  assert c.batch_size == 4 and c.head == presets.PRESETS["tiny"].head
   path.write_text(json.dumps({"base": "tiny", "optim": {"warmup_stpes": 3}}))
   with pytest.raises(ConfigError, match="optim.warmup_stpes.*did you mean 'warmup_steps'"):
-    configs.load_config(str(path))
+    overrides.load_config(str(path))
   path.write_text(json.dumps({"steps": "many"}))
   with pytest.raises(ConfigError, match="steps"):
-    configs.load_config(str(path))
+    overrides.load_config(str(path))
   path.write_text("{broken")
   with pytest.raises(ConfigError, match="cannot read config file"):
-    configs.load_config(str(path))
+    overrides.load_config(str(path))
 
 
 def test_unknown_preset_suggests_the_closest():
   with pytest.raises(ConfigError, match="did you mean 'tiny'"):
-    configs.load_config("tinny")
+    overrides.load_config("tinny")
 
 
 def test_required_target_path_is_reported_before_loading():
   from train import loop
 
   with pytest.raises(ConfigError, match="target.path"):
-    loop._load_target(configs.load_config("qwen3_8b_dart"))
+    loop._load_target(overrides.load_config("qwen3_8b_dart"))
 
 
 def test_bundled_self_distilled_eval_is_held_out():

@@ -14,7 +14,7 @@ from safetensors.numpy import load_file
 import dart_jax as dj
 from dart_jax.draft.dflash import DFlashDrafter, draft_block
 from dart_jax.models.transformer import KVCache
-from train import configs, loop
+from train import configs, objectives, overrides
 from train import dflash_losses as dl
 from train import losses
 from tests.train_helpers import (OVERRIDES, STEPS, crash_then_resume,
@@ -200,8 +200,8 @@ def test_domino_head_on_a_released_dflash_backbone(target, tmp_path):
   plain = DFlashDrafter.init(target, block_size=B, num_layers=1, target_layer_ids=(1, 3),
                              seed=7)
   dj.save_dflash(plain, tmp_path / "plain")
-  config = configs.load_config("tiny_domino", [f"dflash.init_from={tmp_path / 'plain'}"])
-  drafter = loop._make_drafter(config, target)
+  config = overrides.load_config("tiny_domino", [f"dflash.init_from={tmp_path / 'plain'}"])
+  drafter = objectives.dflash.make(config, target)
   assert drafter.domino and drafter.config.gru_hidden_dim == config.dflash.gru_hidden_dim
   got, want = drafter.module(), plain.module()
   np.testing.assert_array_equal(np.asarray(got.layers[0].mlp.up_proj.kernel[...]),
@@ -209,7 +209,7 @@ def test_domino_head_on_a_released_dflash_backbone(target, tmp_path):
   np.testing.assert_array_equal(np.asarray(got.fc.kernel[...]), np.asarray(want.fc.kernel[...]))
   dj.save_dflash(drafter, tmp_path / "domino")
   with pytest.raises(dj.ConfigError, match="head.kind=domino"):
-    loop._make_drafter(configs.load_config(
+    objectives.dflash.make(overrides.load_config(
         "tiny_dflash", [f"dflash.init_from={tmp_path / 'domino'}"]), target)
 
 
@@ -249,7 +249,7 @@ def test_tiny_domino_run_learns_and_generates_losslessly(domino_run, target):
 
 
 def test_domino_crash_and_resume_equals_the_uninterrupted_run(domino_run, tmp_path):
-  config = configs.load_config("tiny_domino", OVERRIDES)
+  config = overrides.load_config("tiny_domino", OVERRIDES)
   workdir = str(tmp_path / "resumed")
   _, result = crash_then_resume(config, workdir)
   assert result.start_step == 20

@@ -8,7 +8,7 @@ from safetensors.numpy import load_file
 
 import dart_jax as dj
 from dart_jax.errors import ConfigError
-from train import configs, features, loop
+from train import features, loop, overrides
 from train.data import Rows
 from tests.train_helpers import metric_records
 from tests.test_train_losses import TINY_TARGET, numpy_head
@@ -115,8 +115,8 @@ def test_key_follows_what_the_features_depend_on(tiny):
 def test_cached_training_follows_the_online_run(tmp_path):
   """float32 features: the same losses and the same trained head as running the
   target in every step (the features only move the target pass earlier)."""
-  online = loop.train(configs.load_config("tiny", OVERRIDES), str(tmp_path / "online"))
-  cached_config = configs.load_config(
+  online = loop.train(overrides.load_config("tiny", OVERRIDES), str(tmp_path / "online"))
+  cached_config = overrides.load_config(
       "tiny", OVERRIDES + ["data.target_features=cached", "data.features_dtype=float32"])
   cached = loop.train(cached_config, str(tmp_path / "cached"))
   assert os.listdir(tmp_path / "cached" / "features")
@@ -139,11 +139,11 @@ def test_cached_training_follows_the_online_run(tmp_path):
 
 def test_cached_features_are_only_for_dart_heads():
   with pytest.raises(ConfigError, match="for DART heads"):
-    configs.load_config("tiny_dflash", ["data.target_features=cached"])
+    overrides.load_config("tiny_dflash", ["data.target_features=cached"])
   with pytest.raises(ConfigError, match="online or cached"):
-    configs.load_config("tiny", ["data.target_features=offline"])
+    overrides.load_config("tiny", ["data.target_features=offline"])
   with pytest.raises(ConfigError, match="float16 or float32"):
-    configs.load_config("tiny", ["data.features_dtype=bfloat16"])
+    overrides.load_config("tiny", ["data.features_dtype=bfloat16"])
 
 
 def test_dart_gru_loss_from_cached_features_equals_online(tiny, tmp_path):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from train import configs
+from train import configs, overrides
 from tests.train_helpers import (OVERRIDES, STEPS, crash_then_resume,
                                  metric_records as _records, run_preset)
 
@@ -35,7 +35,7 @@ def test_tiny_run_learns(full_run):
 
 
 def test_crash_and_resume_equals_the_uninterrupted_run(full_run, tmp_path):
-  config = configs.load_config("tiny", OVERRIDES)
+  config = overrides.load_config("tiny", OVERRIDES)
   workdir = str(tmp_path / "resumed")
   exported_early, result = crash_then_resume(config, workdir)
   assert not exported_early

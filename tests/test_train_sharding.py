@@ -26,13 +26,13 @@ import jax
 import numpy as np
 sys.path.insert(0, __ROOT__)
 import dart_jax as dj
-from train import configs, data as data_lib, loop, sharding
+from train import configs, data as data_lib, loop, overrides, sharding
 
 assert jax.device_count() == 8
 # Adam normalises the first update to about +-lr wherever |grad| >> eps, which
 # would turn float-level gradient differences into sign noise on tiny gradients;
 # a large eps makes the first update proportional to the gradient instead.
-config = configs.load_config("tiny", ["batch_size=8", "data.max_len=64",
+config = overrides.load_config("tiny", ["batch_size=8", "data.max_len=64",
                                       "loss.num_anchors=8", "optim.warmup_steps=0",
                                       "optim.eps=1.0", "optim.learning_rate=0.5"])
 target = dj.load_target(configs.TINY_TARGET)

@@ -1,11 +1,9 @@
 """The training loop: jitted train step, evaluation, Orbax checkpoints, export.
 
-One loop for every drafter kind (``head.kind``): a DART head (objective in
-``train/losses.py``, exported with ``save_dart``), a DFlash drafter with or
-without the Domino head (``train/dflash_losses.py``, exported with
-``save_dflash`` in the released format), or a GRU correction on a frozen DART
-head (``dart_gru``: ``train/dart_gru_losses.py``, exported with
-``save_dart_gru``).
+One loop for every drafter kind (``head.kind``); what differs per kind (making
+the drafter, its loss and metrics, its export format) is its objective module
+in ``train/objectives`` (``dart``, ``dflash`` for DFlash / Domino, ``dart_gru``),
+so the loop names no kind.
 
 State (a pytree, checkpointed whole): the drafter's trainable parameters and
 (DART) its ``d2t``/``t2d`` buffers as nested dicts (DART-GRU: the frozen DART
@@ -33,19 +31,16 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from tqdm import tqdm
 
 import dart_jax as dj
-from dart_jax.draft.dart_gru import (CORRECTION_CONFIG, CorrectionModule, DartGruConfig,
-                                     DartGruDrafter)
-from dart_jax.draft.dart_head import Buffer, DartConfig, DartHead, DartHeadModule
-from dart_jax.draft.dflash import (PROJECTOR_DOMINO, DFlashConfig, DFlashDrafter, DFlashModule,
-                                   default_target_layer_ids)
+from dart_jax.draft.dart_gru import DartGruConfig, DartGruDrafter
+from dart_jax.draft.dart_head import DartConfig, DartHead
+from dart_jax.draft.dflash import DFlashConfig, DFlashDrafter
 from dart_jax.errors import CheckpointError, ConfigError
-from train import dart_gru_losses
 from train import data as data_lib
-from train import dflash_losses
 from train import features as features_lib
-from train import losses
+from train import objectives
 from train import sharding
 from train.configs import REQUIRED, OptimSection, TrainConfig, to_dict
 
@@ -76,17 +71,9 @@ class StepSettings:
   anneal_steps: int = 0
 
   @property
-  def kind(self) -> str:
-    """"dart", "dflash", "domino" or "dart_gru"."""
-    if isinstance(self.head_config, DFlashConfig):
-      return "domino" if self.head_config.domino else "dflash"
-    if isinstance(self.head_config, DartGruConfig):
-      return "dart_gru"
-    return "dart"
-
-  def position_weights(self) -> np.ndarray:
-    """DFlash / Domino slot weights [D]."""
-    return dflash_losses.position_weights(self.head_config.num_depths, self.position_gamma)
+  def objective(self):
+    """The objective module of the drafter (``train.objectives``)."""
+    return objectives.for_config(self.head_config)
 
 
 def make_optimizer(optim: OptimSection, steps: int) -> tuple[optax.GradientTransformation,
@@ -105,75 +92,11 @@ def make_optimizer(optim: OptimSection, steps: int) -> tuple[optax.GradientTrans
   return tx, schedule
 
 
-def split_head(head: DartHead, param_dtype) -> tuple[dict, dict]:
-  """A head -> (trainable params, buffers) as nested dicts; params in param_dtype."""
-  module = head.module()
-  _, params, buffers = nnx.split(module, nnx.Param, Buffer)
-  params = jax.tree.map(lambda x: jnp.asarray(x, param_dtype), nnx.to_pure_dict(params))
-  return params, nnx.to_pure_dict(buffers)
-
-
-def merge_head(config: DartConfig, params: dict, buffers: dict, dtype=None) -> DartHeadModule:
-  """Nested dicts -> a ``DartHeadModule`` (works on tracers inside jit)."""
-  dtype = dtype or jax.tree.leaves(params)[0].dtype
-  abstract = nnx.eval_shape(lambda: DartHeadModule(config, rngs=nnx.Rngs(0), precision=dtype))
-  graphdef, abs_params, abs_buffers = nnx.split(abstract, nnx.Param, Buffer)
-  nnx.replace_by_pure_dict(abs_params, params)
-  nnx.replace_by_pure_dict(abs_buffers, buffers)
-  return nnx.merge(graphdef, abs_params, abs_buffers)
-
-
-def split_drafter(drafter: DFlashDrafter, param_dtype) -> tuple[dict, dict]:
-  """A DFlash drafter -> (trainable params, no buffers) as nested dicts."""
-  params = jax.tree.map(lambda x: jnp.asarray(x, param_dtype),
-                        nnx.to_pure_dict(drafter.params))
-  return params, {}
-
-
-def merge_drafter(config: DFlashConfig, params: dict, dtype=None) -> DFlashModule:
-  """Nested dicts -> a ``DFlashModule`` (works on tracers inside jit)."""
-  dtype = dtype or jax.tree.leaves(params)[0].dtype
-  abstract = nnx.eval_shape(lambda: DFlashModule(config, rngs=nnx.Rngs(0), precision=dtype))
-  graphdef, abs_params = nnx.split(abstract)
-  nnx.replace_by_pure_dict(abs_params, params)
-  return nnx.merge(graphdef, abs_params)
-
-
-def split_dart_gru(drafter: DartGruDrafter, param_dtype) -> tuple[dict, dict]:
-  """A DART-GRU drafter -> (the correction's params, {"dart": the frozen head's
-  (params, buffers)}) as nested dicts."""
-  params = jax.tree.map(lambda x: jnp.asarray(x, param_dtype),
-                        nnx.to_pure_dict(nnx.state(drafter.correction_module())))
-  dart_params, dart_buffers = split_head(drafter.dart_head(), param_dtype)
-  return params, {"dart": {"params": dart_params, "buffers": dart_buffers}}
-
-
-def merge_correction(config: DartGruConfig, params: dict, dtype=None) -> CorrectionModule:
-  """Nested dicts -> a ``CorrectionModule`` (works on tracers inside jit)."""
-  dtype = dtype or jax.tree.leaves(params)[0].dtype
-  abstract = nnx.eval_shape(lambda: CorrectionModule(config, rngs=nnx.Rngs(0),
-                                                     precision=dtype))
-  graphdef, abs_params = nnx.split(abstract)
-  nnx.replace_by_pure_dict(abs_params, params)
-  return nnx.merge(graphdef, abs_params)
-
-
-def head_from_state(config: DartConfig | DFlashConfig | DartGruConfig, state: dict
-                    ) -> DartHead | DFlashDrafter | DartGruDrafter:
+def head_from_state(config, state: dict):
   """The trained head or drafter (host arrays) from a train state."""
-  params = jax.tree.map(jnp.asarray, jax.device_get(state["params"]))
-  if isinstance(config, DartGruConfig):
-    dart = jax.tree.map(jnp.asarray, jax.device_get(state["buffers"]["dart"]))
-    return DartGruDrafter.from_modules(
-        config, merge_head(config.dart, dart["params"], dart["buffers"]),
-        merge_correction(config, params))
-  if isinstance(config, DFlashConfig):
-    graphdef, full = nnx.split(merge_drafter(config, params))
-    return DFlashDrafter(config, graphdef, full)
-  buffers = jax.device_get(state["buffers"])
-  module = merge_head(config, params, jax.tree.map(jnp.asarray, buffers))
-  graphdef, full = nnx.split(module)
-  return DartHead(config, graphdef, full)
+  host = lambda tree: jax.tree.map(jnp.asarray, jax.device_get(tree))
+  return objectives.for_config(config).from_state(config, host(state["params"]),
+                                                  host(state["buffers"]))
 
 
 def state_specs(state: dict, settings: StepSettings, mesh) -> dict:
@@ -193,35 +116,11 @@ def state_specs(state: dict, settings: StepSettings, mesh) -> dict:
 def _forward(settings: StepSettings, target_graphdef, target_params, params, buffers,
              batch, key, step):
   """Loss and per-level (per-slot) stats of one batch (drafter params differentiable)."""
-  c = settings.head_config
   target_model = nnx.merge(target_graphdef, target_params)
   compute = (target_model.precision.dtype if settings.compute_dtype == "auto"
              else _DTYPES[settings.compute_dtype])
-  to_compute = lambda tree: jax.tree.map(lambda p: p.astype(compute), tree)
-  if settings.kind == "dart_gru":
-    frozen = buffers["dart"]
-    dart = merge_head(c.dart, to_compute(frozen["params"]), frozen["buffers"], compute)
-    return dart_gru_losses.forward(
-        dart, merge_correction(c, to_compute(params), compute), target_model, batch, key,
-        num_anchors=settings.num_anchors, level_decay=settings.level_decay,
-        attn_impl=settings.attn_impl)
-  if settings.kind != "dart":
-    drafter = merge_drafter(c, jax.tree.map(lambda p: p.astype(compute), params), compute)
-    return dflash_losses.forward(
-        drafter, target_model, batch, key, num_anchors=settings.num_anchors,
-        weights=jnp.asarray(settings.position_weights()),
-        lam=dflash_losses.domino_lambda(step, settings.anneal_steps),
-        attn_impl=settings.attn_impl)
-  valid = losses.level_targets(batch["loss_mask"], batch["segment_ids"], c.num_levels)
-  anchors, weights = losses.choose_anchors(key, valid, settings.num_anchors)
-  taps, teacher, next_embeds = losses.target_features(
-      target_model, batch, anchors, c.tap_layers, c.num_levels, buffers["d2t"],
-      attn_impl=settings.attn_impl)
-  cast = jax.tree.map(lambda p: p.astype(compute), params)
-  head = merge_head(c, cast, buffers, compute)
-  draft = losses.draft_logits(head, next_embeds, taps, batch["positions"],
-                              batch["segment_ids"], anchors, attn_impl=settings.attn_impl)
-  return losses.dart_loss(draft, teacher, weights, buffers["d2t"], settings.level_decay)
+  return settings.objective.forward(settings, target_model, params, buffers, batch, key,
+                                    step, compute)
 
 
 def _global_norm(tree) -> jax.Array:
@@ -256,10 +155,8 @@ def train_step(state: dict, target_params, batch: dict, *, settings: StepSetting
     new_state = _constrain(new_state, state_specs(new_state, settings, mesh))
   metrics = {"loss": loss, "grad_norm": _global_norm(grads),
              "lr": schedule(state["step"]), "stats": stats,
-             "tokens": jnp.sum(batch["segment_ids"] > 0)}
-  if settings.kind == "domino":
-    metrics["domino_lambda"] = dflash_losses.domino_lambda(state["step"],
-                                                           settings.anneal_steps)
+             "tokens": jnp.sum(batch["segment_ids"] > 0),
+             **settings.objective.step_metrics(settings, state["step"])}
   return new_state, metrics
 
 
@@ -274,21 +171,14 @@ def eval_step(params, buffers, target_params, batch, key, *, settings: StepSetti
 
 def summarize(settings: StepSettings, stats) -> dict:
   """Host-side metrics of summed stats for the settings' drafter kind."""
-  if settings.kind == "dart":
-    return losses.summarize(stats, settings.level_decay)
-  if settings.kind == "dart_gru":
-    return dart_gru_losses.summarize(stats, settings.level_decay)
-  return dflash_losses.summarize(stats, settings.position_weights(),
-                                 settings.kind == "domino")
+  return settings.objective.summarize(settings, stats)
 
 
-def init_state(head: DartHead | DFlashDrafter | DartGruDrafter, settings: StepSettings,
-               seed: int) -> dict:
+def init_state(head, settings: StepSettings, seed: int) -> dict:
   """A fresh train state. Arrays are copies: the step donates its state, and
   ``head`` must stay usable."""
-  split = (split_drafter if isinstance(head, DFlashDrafter)
-           else split_dart_gru if isinstance(head, DartGruDrafter) else split_head)
-  params, buffers = jax.tree.map(jnp.copy, split(head, _DTYPES[settings.param_dtype]))
+  params, buffers = jax.tree.map(jnp.copy, settings.objective.split(
+      head, _DTYPES[settings.param_dtype]))
   tx, _ = make_optimizer(settings.optim, settings.steps)
   return {"params": params, "buffers": buffers, "opt_state": tx.init(params),
           "step": jnp.zeros((), jnp.int32), "rng": jax.random.PRNGKey(seed)}
@@ -387,91 +277,17 @@ def _load_target(config: TrainConfig):
                         else config.target.dtype)
 
 
-def _make_drafter(config: TrainConfig, target) -> DFlashDrafter:
-  """The DFlash / Domino drafter to train: from ``dflash.init_from`` or fresh."""
-  dc, domino = config.dflash, config.head.kind == "domino"
-  if dc.init_from:
-    drafter = dj.load_dflash(dc.init_from, target)
-    if drafter.domino and not domino:
-      raise ConfigError(f"dflash.init_from={dc.init_from!r} holds a Domino drafter; "
-                        "train it with head.kind=domino")
-    log.info("continuing from the drafter in %s (its config.json fixes the architecture)",
-             dc.init_from)
-    if domino and not drafter.domino:
-      # A fresh Domino head on the loaded DFlash backbone.
-      with_head = dataclasses.replace(drafter.config, projector_type=PROJECTOR_DOMINO,
-                                      emb_dim=dc.emb_dim, gru_hidden_dim=dc.gru_hidden_dim)
-      graphdef, params = nnx.split(DFlashModule(with_head, rngs=nnx.Rngs(config.seed),
-                                                precision=target.precision.for_drafter()))
-      pure = nnx.to_pure_dict(params)
-      pure.update(nnx.to_pure_dict(drafter.params))  # the backbone's entries
-      nnx.replace_by_pure_dict(params, pure)
-      drafter = DFlashDrafter(with_head, graphdef, params)
-    return drafter
-  tc = target.config
-  if dc.mask_token_id >= tc.vocab_size:
-    raise ConfigError(f"dflash.mask_token_id={dc.mask_token_id} is outside the target's "
-                      f"vocabulary [0, {tc.vocab_size}); -1 picks the last id")
-  ids = dc.target_layer_ids or None
-  if ids is not None and max(ids) >= tc.num_layers:
-    raise ConfigError(f"dflash.target_layer_ids={list(ids)} out of range for a target "
-                      f"with {tc.num_layers} layers")
-  if ids is None and dc.num_taps:
-    ids = default_target_layer_ids(tc.num_layers, dc.num_taps)
-  return DFlashDrafter.init(
-      target, block_size=dc.block_size, num_layers=dc.num_layers, domino=domino,
-      seed=config.seed, emb_dim=dc.emb_dim, gru_hidden_dim=dc.gru_hidden_dim,
-      intermediate_size=dc.intermediate_size or None, target_layer_ids=ids,
-      mask_token_id=None if dc.mask_token_id < 0 else dc.mask_token_id)
-
-
-def _make_dart_gru(config: TrainConfig, target) -> DartGruDrafter:
-  """The frozen DART head (``head.init_from``, default the one shipped for the
-  embedded target) with a fresh correction, or a DART-GRU directory to continue."""
-  hc = config.head
-  if hc.init_from and os.path.isfile(os.path.join(hc.init_from, CORRECTION_CONFIG)):
-    log.info("continuing from the DART-GRU drafter in %s", hc.init_from)
-    return dj.load_dart_gru(hc.init_from, target)
-  if hc.init_from:
-    head = dj.load_dart(hc.init_from, target)
-  elif config.target.path is None:
-    head = dj.load_dart(None, target)  # the head shipped for the embedded target
-  else:
-    raise ConfigError("head.kind=dart_gru corrects a trained DART head: set "
-                      "head.init_from=DIR (a DART head for this target, e.g. the export "
-                      "of a head.kind=dart run)")
-  log.info("correcting the frozen DART head from %s", hc.init_from or "dart_jax's assets")
-  return DartGruDrafter.from_head(head, emb_dim=hc.emb_dim, gru_hidden_dim=hc.gru_hidden_dim,
-                                  seed=config.seed)
-
-
-def _make_head(config: TrainConfig, target, rows: data_lib.Rows
-               ) -> DartHead | DFlashDrafter | DartGruDrafter:
-  hc = config.head
-  if hc.kind == "dart_gru":
-    return _make_dart_gru(config, target)
-  if hc.kind != "dart":
-    return _make_drafter(config, target)
-  if hc.init_from:
-    head = dj.load_dart(hc.init_from, target)
-    log.info("continuing from the head in %s", hc.init_from)
-    return head
-  vocab = target.config.vocab_size
-  vd = hc.draft_vocab_size if 0 < hc.draft_vocab_size < vocab else vocab
-  head = DartHead.init(target, draft_length=hc.draft_length, draft_vocab_size=vd,
-                       seed=config.seed, double_norm=hc.double_norm)
-  if vd < vocab:
-    head = head.with_draft_vocab(data_lib.select_draft_vocab(rows, vocab, vd))
-  return head
-
-
 def _target_features(config: TrainConfig, target, rows: data_lib.Rows, head,
                      settings: StepSettings, workdir: str) -> features_lib.FeatureStore:
   """The cached frozen-target features of the training rows (built on first use)."""
   if jax.process_count() > 1:
     raise ConfigError("data.target_features=cached runs on a single host; use "
                       "data.target_features=online on a multi-host run")
-  dart = head.dart_head() if isinstance(head, DartGruDrafter) else head
+  dart = settings.objective.feature_head(head)
+  if dart is None:
+    raise ConfigError(f"data.target_features=cached stores a DART head's taps; a "
+                      f"{config.head.kind} drafter reads the target's layer outputs, use "
+                      "data.target_features=online")
   return features_lib.load_or_build(
       target, rows, dart.config.tap_layers, np.asarray(dart.params["d2t"][...]), workdir,
       dtype=config.data.features_dtype, batch_size=config.batch_size,
@@ -504,7 +320,8 @@ def train(config: TrainConfig, workdir: str, *,
       config.data, target.tokenizer,
       os.path.join(workdir, "data_cache") if config.data.cache else None,
       write_cache=is_main)
-  head = _make_head(config, target, prepared.train)
+  objective = objectives.for_kind(config.head.kind)
+  head = objective.make(config, target, prepared.train)
   head.check_target(target)
   if is_main:
     with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -518,12 +335,8 @@ def train(config: TrainConfig, workdir: str, *,
       head_config=head.config, num_anchors=config.loss.num_anchors,
       level_decay=config.loss.level_decay, param_dtype=config.param_dtype
       if config.param_dtype != "auto" else "float32", compute_dtype=config.compute_dtype,
-      attn_impl=config.attn_impl, optim=config.optim, steps=config.steps)
-  if isinstance(head, DFlashDrafter):
-    settings = dataclasses.replace(
-        settings, position_gamma=dflash_losses.resolve_gamma(
-            config.loss.position_gamma, head.config.block_size),
-        anneal_steps=int(round(config.loss.domino_anneal * config.steps)))
+      attn_impl=config.attn_impl, optim=config.optim, steps=config.steps,
+      **objective.step_options(config, head))
   iterator = data_lib.BatchIterator(
       prepared.train, config.batch_size, config.data.shuffle_seed,
       process_index=jax.process_index(), process_count=jax.process_count())
@@ -560,7 +373,6 @@ def train(config: TrainConfig, workdir: str, *,
         log.info("resumed from step %d", start)
     start = int(start or 0)
 
-    from tqdm import tqdm
     bar = tqdm(total=config.steps, initial=start, unit="step", dynamic_ncols=True,
                disable=not (config.progress and is_main))
     logger = MetricsLog(workdir, is_main, bar if config.progress else None,
@@ -634,12 +446,7 @@ def train(config: TrainConfig, workdir: str, *,
   export_dir = None
   if is_main:
     export_dir = config.export_dir or os.path.join(workdir, "export")
-    if isinstance(final, DFlashDrafter):
-      dj.save_dflash(final, export_dir)  # the released DFlash / Domino format
-    elif isinstance(final, DartGruDrafter):
-      dj.save_dart_gru(final, export_dir)  # save_dart's head + the correction
-    else:
-      dj.save_dart(final, export_dir)
+    objective.export(final, export_dir)
     log.info("exported the %s to %s", "head" if config.head.kind == "dart" else "drafter",
              export_dir)
   return TrainResult(final, state, history, export_dir, start)

@@ -66,10 +66,10 @@ def main(argv=None) -> int:
   for name in ("absl", "orbax", "jax._src"):
     logging.getLogger(name).setLevel(logging.WARNING)
   from dart_jax.errors import DartJaxError
-  from train import configs
+  from train import configs, overrides
 
   try:
-    config = configs.load_config(args.config, args.overrides)
+    config = overrides.load_config(args.config, args.overrides)
     if args.print_config:
       import json
       print(json.dumps(configs.to_dict(config), indent=2))
