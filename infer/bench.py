@@ -507,15 +507,17 @@ def run_benchmark(args, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
           "nodes": num_tree_nodes(m, configs[m], c.num_depths, c.vocab_size)}
   dart_gru_info = None
   if dart_gru is not None:
-    c = dart_gru.config
+    c, head_c = dart_gru.config, dart_gru.config.dart
     dart_gru_info = {"drafter": str(args.dart_gru), "config": dict(config_json),
-                     "draft_length": c.draft_length, "draft_vocab_size": c.draft_vocab_size,
+                     "draft_length": head_c.draft_length,
+                     "draft_vocab_size": head_c.draft_vocab_size,
                      "emb_dim": c.emb_dim, "gru_hidden_dim": c.gru_hidden_dim, "methods": {}}
     for m in (m for m in methods if m in DART_GRU_METHODS):
       tree = DART_GRU_TREES[m]
       speculative[m] = dict(draft=dart_gru, tree=tree, tree_config=configs[m])
       dart_gru_info["methods"][m] = {"tree": tree, "nodes": num_tree_nodes(
-          resolve_method(tree, True), configs[m], c.num_levels, c.draft_vocab_size)}
+          resolve_method(tree, True), configs[m], head_c.num_levels,
+          head_c.draft_vocab_size)}
   for m, choice in choices.items():
     info = dart_gru_info if m in DART_GRU_METHODS else dartree_info
     info["methods"][m]["budget_choice"] = {"source": "auto", **choice.to_json()}

@@ -1,10 +1,8 @@
 """The Colab quickstart runs top to bottom on CPU (reduced setting)."""
 
-import os
 import pathlib
 
 import nbformat
-import pytest
 from nbclient import NotebookClient
 
 ROOT = pathlib.Path(__file__).parent.parent

@@ -9,7 +9,7 @@ the conversations get a second user turn (a follow-up), so heads also see
 answers conditioned on an earlier answer, as in chat benchmarks.
 
 The lists below were written for this project; MT-Bench and HumanEval prompts
-are held out for evaluation and are never used here (``tests/test_prompts.py``
+are held out for evaluation and are never used here (``tests/train/test_prompts.py``
 checks that no generated prompt equals a benchmark prompt).
 
 Two recipes, each reproducible from (num, seed):

@@ -1,0 +1,111 @@
+"""The generate driver: prompt forms, batching, streaming, stop rules, bad input."""
+
+
+import numpy as np
+import pytest
+
+import dart_jax as dj
+from dart_jax.generate import attend_bucket, encode_prompts
+from dart_jax.sampling import SamplingConfig, processed_log_probs
+from tests.helpers import FIXTURES
+
+
+
+@pytest.fixture(scope="module")
+def target():
+  return dj.load_target(FIXTURES / "tiny_llama")
+
+
+def test_prompt_forms(target):
+  tok = target.tokenizer
+  ids, batch = encode_prompts(target, "Hello there")
+  assert not batch and ids == [tok.encode_chat("Hello there")]
+  ids, batch = encode_prompts(target, "Hello there", chat=False)
+  assert ids == [tok.encode("Hello there")]
+  ids, batch = encode_prompts(target, ["Hi", "Bye"])
+  assert batch and ids == [tok.encode_chat("Hi"), tok.encode_chat("Bye")]
+  ids, batch = encode_prompts(target, [5, 6, 7])
+  assert not batch and ids == [[5, 6, 7]]
+  ids, batch = encode_prompts(target, [[5, 6], [7]])
+  assert batch and ids == [[5, 6], [7]]
+  messages = [{"role": "user", "content": "Hi"}]
+  ids, batch = encode_prompts(target, messages)
+  assert not batch and ids == [tok.encode_chat(messages)]
+
+
+def test_batch_equals_single_and_text_decodes_tokens(target):
+  prompts = ["Hello there, how are you?", "Tell me about the sea", "Hi"]
+  out = dj.generate(target, prompts, max_new_tokens=9, eos_token_ids=())
+  assert [len(t) for t in out.tokens] == [9, 9, 9]
+  for p, toks, text in zip(prompts, out.tokens, out.text):
+    single = dj.generate(target, p, max_new_tokens=9, eos_token_ids=())
+    assert single.tokens == toks
+    assert text == target.tokenizer.decode(toks)
+
+
+def test_stream_concatenates_to_text(target):
+  out = dj.generate(target, "Hello there, how are you?", max_new_tokens=12, eos_token_ids=())
+  chunks = list(dj.generate_stream(target, "Hello there, how are you?", max_new_tokens=12,
+                                   eos_token_ids=()))
+  assert "".join(chunks) == out.text and len(chunks) > 1
+
+
+def test_eos_stops_and_is_kept(target):
+  free = dj.generate(target, [3, 4, 5], max_new_tokens=12, eos_token_ids=()).tokens
+  eos = free[4]
+  out = dj.generate(target, [3, 4, 5], max_new_tokens=12, eos_token_ids=(eos,))
+  assert out.tokens == free[:free.index(eos) + 1]
+
+
+def test_stats(target):
+  out = dj.generate(target, [[1, 2, 3], [4, 5]], max_new_tokens=6, eos_token_ids=())
+  s = out.stats
+  assert s.new_tokens == 12 and s.rounds == 5 and s.mean_accept_len == 1.0
+  assert s.tokens_per_s > 0 and s.time_to_first_token_s > 0
+
+
+def test_stats_separate_compile_time(target):
+  """A batch size never decoded before compiles a new step: its seconds are counted
+  in compile_s; the same call again compiles nothing."""
+  prompts = [[1, 2, 3]] * 7
+  cold = dj.generate(target, prompts, max_new_tokens=5, eos_token_ids=()).stats
+  warm = dj.generate(target, prompts, max_new_tokens=5, eos_token_ids=()).stats
+  assert 0 < cold.compile_s < cold.total_s and warm.compile_s == 0
+
+
+def test_bad_input(target):
+  with pytest.raises(dj.InputError, match="empty"):
+    dj.generate(target, "")
+  with pytest.raises(dj.InputError, match="empty"):
+    dj.generate(target, [])
+  with pytest.raises(dj.InputError, match="vocabulary"):
+    dj.generate(target, [1, 99999])
+  with pytest.raises(dj.InputError, match="does not fit"):
+    dj.generate(target, [1] * 600)  # max_position_embeddings is 512
+  with pytest.raises(dj.InputError, match="max_new_tokens"):
+    dj.generate(target, [1, 2], max_new_tokens=0)
+  with pytest.raises(dj.InputError, match="temperature"):
+    dj.generate(target, [1, 2], temperature=-0.5)
+  with pytest.raises(dj.InputError, match="top_k"):
+    dj.generate(target, [1, 2], temperature=1.0, top_k=-1)
+
+
+def test_generation_stops_at_max_length(target):
+  out = dj.generate(target, [1] * 20, max_new_tokens=50, max_length=30, eos_token_ids=())
+  assert 1 <= len(out.tokens) <= 10
+
+
+def test_attend_bucket():
+  assert attend_bucket(1, 4096) == 64
+  assert attend_bucket(65, 4096) == 128
+  assert attend_bucket(3000, 2048) == 2048
+
+
+def test_top_p_top_k_processing():
+  logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float32))
+  keep = np.isfinite(np.asarray(processed_log_probs(logits, SamplingConfig(1.0, 0.7, 0))))
+  assert keep.tolist() == [[True, True, False, False]]  # 0.5 < 0.7 <= 0.8
+  keep = np.isfinite(np.asarray(processed_log_probs(logits, SamplingConfig(1.0, 1.0, 3))))
+  assert keep.tolist() == [[True, True, True, False]]
+  probs = np.exp(np.asarray(processed_log_probs(logits, SamplingConfig(0.5, 0.9, 2))))
+  np.testing.assert_allclose(probs, [[0.25 / 0.34, 0.09 / 0.34, 0, 0]], atol=1e-6)

@@ -1,0 +1,170 @@
+"""Cached frozen-target features: same training as the online step, resumable build."""
+
+import os
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import dart_jax as dj
+from dart_jax.errors import ConfigError
+from train import features, loop, overrides
+from train.data import Rows
+from tests.train.train_helpers import metric_records
+from tests.helpers import TINY_TARGET, numpy_head
+
+STEPS = 12
+OVERRIDES = [f"steps={STEPS}", "optim.warmup_steps=2", "checkpoint_every=6", "eval_every=12",
+             "log_every=3", "progress=false", "data.max_examples=64"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  target = dj.load_target(TINY_TARGET)
+  head = numpy_head(target, 3, 40, seed=1)
+  rng = np.random.default_rng(0)
+  num_rows, length = 5, 24
+  tokens = rng.integers(3, target.config.vocab_size, (num_rows, length)).astype(np.int32)
+  segment_ids = np.ones((num_rows, length), np.int32)
+  segment_ids[:, 20:] = 0
+  positions = np.broadcast_to(np.arange(length, dtype=np.int32), (num_rows, length)).copy()
+  rows = Rows(tokens, segment_ids > 0, segment_ids, positions)
+  d2t = np.asarray(head.params["d2t"][...])
+  return target, head, rows, d2t
+
+
+def _build(tiny, workdir, **kw):
+  target, head, rows, d2t = tiny
+  return features.load_or_build(target, rows, head.config.tap_layers, d2t, str(workdir),
+                                batch_size=2, progress=False, **kw)
+
+
+def test_stored_features_are_the_target_pass(tiny, tmp_path):
+  """Every row holds the target's taps and teacher, computed here independently
+  from full-vocabulary logits with numpy."""
+  target, head, rows, d2t = tiny
+  store = _build(tiny, tmp_path, dtype="float32")
+  assert len(store) == len(rows)
+  from train.losses import target_attention_mask
+  row = 3
+  out = target.forward(rows.tokens[row:row + 1], rows.positions[row:row + 1], None,
+                       target_attention_mask(rows.segment_ids[row:row + 1]),
+                       taps=head.config.tap_layers)
+  logits = np.asarray(out.logits[0], np.float64)  # [T, V]
+  used = np.arange(len(d2t)) + d2t
+  kept = logits[:, used]
+  logp = kept - kept.max(-1, keepdims=True)
+  logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+  np.testing.assert_allclose(store.arrays["taps"][row], np.asarray(out.taps[0]),
+                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(store.arrays["teacher_logp"][row], logp, rtol=1e-4, atol=1e-4)
+  np.testing.assert_array_equal(store.arrays["teacher_argmax"][row], logits.argmax(-1))
+  # float16 storage: the same numbers to half precision.
+  half = _build(tiny, tmp_path / "half", dtype="float16")
+  assert half.arrays["taps"].dtype == np.float16
+  np.testing.assert_allclose(half.arrays["teacher_logp"][row], logp, rtol=2e-3, atol=2e-2)
+
+
+def test_interrupted_build_resumes_where_it_stopped(tiny, tmp_path):
+  reference = _build(tiny, tmp_path / "whole", dtype="float32")
+
+  class Stop(Exception):
+    pass
+
+  def stop_after_first(rows_done):
+    raise Stop
+
+  with pytest.raises(Stop):
+    _build(tiny, tmp_path / "cut", dtype="float32", batch_callback=stop_after_first)
+  resumed_at = []
+  store = _build(tiny, tmp_path / "cut", dtype="float32", batch_callback=resumed_at.append)
+  assert resumed_at == [4, 5]  # rows 0-1 were kept; batches of 2 from row 2 on
+  for name in features.FIELDS:
+    np.testing.assert_array_equal(store.arrays[name], reference.arrays[name])
+  # Complete: a third call computes nothing.
+  again = []
+  _build(tiny, tmp_path / "cut", dtype="float32", batch_callback=again.append)
+  assert again == []
+
+
+def test_damaged_features_are_rebuilt(tiny, tmp_path):
+  store = _build(tiny, tmp_path, dtype="float32")
+  expected = np.array(store.arrays["teacher_logp"])
+  path = os.path.join(store.directory, "teacher_logp.npy")
+  with open(path, "r+b") as f:
+    f.truncate(os.path.getsize(path) // 2)
+  rebuilt = _build(tiny, tmp_path, dtype="float32")
+  np.testing.assert_array_equal(rebuilt.arrays["teacher_logp"], expected)
+
+
+def test_key_follows_what_the_features_depend_on(tiny):
+  target, head, rows, d2t = tiny
+  taps = head.config.tap_layers
+  key = features.features_key(target, rows, taps, d2t, "float16")
+  assert key == features.features_key(target, rows, taps, d2t.copy(), "float16")
+  other_vocab = d2t.copy()
+  other_vocab[-1] += 1
+  changed_rows = Rows(rows.tokens.copy(), rows.loss_mask, rows.segment_ids, rows.positions)
+  changed_rows.tokens[0, 0] += 1
+  assert len({key, features.features_key(target, rows, taps, other_vocab, "float16"),
+              features.features_key(target, rows, taps, d2t, "float32"),
+              features.features_key(target, changed_rows, taps, d2t, "float16"),
+              features.features_key(target, rows, taps[::-1], d2t, "float16")}) == 5
+
+
+def test_cached_training_follows_the_online_run(tmp_path):
+  """float32 features: the same losses and the same trained head as running the
+  target in every step (the features only move the target pass earlier)."""
+  online = loop.train(overrides.load_config("tiny", OVERRIDES), str(tmp_path / "online"))
+  cached_config = overrides.load_config(
+      "tiny", OVERRIDES + ["data.target_features=cached", "data.features_dtype=float32"])
+  cached = loop.train(cached_config, str(tmp_path / "cached"))
+  assert os.listdir(tmp_path / "cached" / "features")
+  assert not os.path.exists(tmp_path / "online" / "features")
+  online_loss = [r["loss"] for r in online.history if r["split"] == "train"]
+  cached_loss = [r["loss"] for r in cached.history if r["split"] == "train"]
+  assert len(online_loss) == STEPS // 3
+  # The check can fail: the head learns over these steps.
+  assert online_loss[-1] < 0.9 * online_loss[0]
+  np.testing.assert_allclose(cached_loss, online_loss, rtol=1e-4)
+  ours = load_file(os.path.join(cached.export_dir, "model.safetensors"))
+  reference = load_file(os.path.join(online.export_dir, "model.safetensors"))
+  for name in reference:
+    np.testing.assert_allclose(ours[name], reference[name], rtol=0, atol=2e-5, err_msg=name)
+  # Evaluation is online in both runs: same held-out numbers.
+  ev = [r for r in metric_records(str(tmp_path / "cached")) if r["split"] == "eval"]
+  ev_online = [r for r in online.history if r["split"] == "eval"]
+  np.testing.assert_allclose(ev[-1]["loss"], ev_online[-1]["loss"], rtol=1e-4)
+
+
+def test_cached_features_are_only_for_dart_heads():
+  with pytest.raises(ConfigError, match="for DART heads"):
+    overrides.load_config("tiny_dflash", ["data.target_features=cached"])
+  with pytest.raises(ConfigError, match="online or cached"):
+    overrides.load_config("tiny", ["data.target_features=offline"])
+  with pytest.raises(ConfigError, match="float16 or float32"):
+    overrides.load_config("tiny", ["data.features_dtype=bfloat16"])
+
+
+def test_dart_gru_loss_from_cached_features_equals_online(tiny, tmp_path):
+  """DART-GRU reads the same features (its frozen head's taps and vocabulary)."""
+  import jax
+
+  from train import dart_gru_losses
+  target, head, rows, d2t = tiny
+  drafter = dj.DartGruDrafter.from_head(head, seed=2)
+  store = _build(tiny, tmp_path, dtype="float32")
+  index = np.array([1, 4])
+  online = {k: np.asarray(v) for k, v in rows.take(index).items()}
+  cached = {**online, **store.take(index)}
+
+  def loss(batch):
+    return dart_gru_losses.forward(
+        drafter.dart_head().module(), drafter.correction_module(), target.module(), batch,
+        jax.random.PRNGKey(3), num_anchors=6, level_decay=0.6)
+
+  online_loss, (online_stats, _) = loss(online)
+  cached_loss, (cached_stats, _) = loss(cached)
+  assert float(online_stats.count.sum()) > 0
+  np.testing.assert_allclose(float(cached_loss), float(online_loss), rtol=1e-5)
+  np.testing.assert_array_equal(np.asarray(cached_stats.correct), np.asarray(online_stats.correct))
