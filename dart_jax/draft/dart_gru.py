@@ -45,13 +45,14 @@ import numpy as np
 from flax import nnx
 
 from dart_jax.draft.dart_head import DartConfig, DartHead, DartHeadModule, load_dart, save_dart
-from dart_jax.draft.dflash import GRU, correction_head_of, released_name
+from dart_jax.draft.correction import (CorrectionHead, add_correction_params,
+                                       correction_head_of)
+from dart_jax.draft.dflash import released_name
 from dart_jax.errors import CheckpointError, ConfigError
 from dart_jax.io.safetensors_io import read_json, read_safetensors_file
-from dart_jax.models import checkpoint, layers
+from dart_jax.models import checkpoint
 from dart_jax.models import precision as precision_lib
 from dart_jax.models.precision import Precision
-from dart_jax.tree.dartree import CorrectionHead
 
 CORRECTION_CONFIG = "correction.json"
 CORRECTION_WEIGHTS = "correction.safetensors"
@@ -124,12 +125,8 @@ class CorrectionModule(nnx.Module):
     self.config = c
     h = c.dart.hidden_size  # the DART hidden and the target embedding have the same size
     # Small matrices read by float32 tree-building math: compute dtype throughout.
-    precision = precision_lib.resolve(precision).uniform()
-    self.prefix_gru = GRU(h, c.gru_hidden_dim, rngs=rngs, precision=precision)
-    self.embed_proj_in = layers.linear(h + c.gru_hidden_dim, c.emb_dim, rngs=rngs,
-                                       precision=precision)
-    self.embed_proj_out = layers.linear(c.emb_dim, c.dart.draft_vocab_size, rngs=rngs,
-                                        precision=precision)
+    add_correction_params(self, h, c.gru_hidden_dim, c.emb_dim, c.dart.draft_vocab_size,
+                          rngs=rngs, precision=precision_lib.resolve(precision).uniform())
 
   def correction_head(self, embed_table: jax.Array, hidden: jax.Array) -> CorrectionHead:
     """embed_table: [V, H] the target's; hidden: [..., D+1, H] the levels' hidden."""

@@ -31,7 +31,6 @@ There is no embedding and no lm_head: both are the target's.
 """
 
 import dataclasses
-import math
 import os
 from typing import Any
 
@@ -40,13 +39,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dart_jax.draft.correction import (CorrectionHead, add_correction_params,
+                                       correction_head_of)
 from dart_jax.errors import ConfigError
 from dart_jax.models import checkpoint, layers
 from dart_jax.models import precision as precision_lib
 from dart_jax.models.config import RopeScaling, rope_from_hf, rope_inv_freq
 from dart_jax.models.precision import Precision
 from dart_jax.models.transformer import TOKEN_MAJOR, Attention, KVCache, write_kv
-from dart_jax.tree.dartree import CorrectionHead
 from dart_jax.io import read_safetensors_dir, write_safetensors_dir
 
 PROJECTOR_DOMINO = "domino"
@@ -293,23 +293,6 @@ class DFlashLayer(nnx.Module):
     return x, k_cache, v_cache
 
 
-class GRU(nnx.Module):
-  """Kernels of a one-layer GRU without bias (gates r, z, n as in torch).
-
-  input_kernel: [in, 3G] (= torch ``weight_ih_l0.T``); hidden_kernel: [G, 3G].
-  """
-
-  def __init__(self, in_features: int, hidden: int, *, rngs: nnx.Rngs,
-               precision: Precision | Any = jnp.float32):
-    dtype = precision_lib.resolve(precision).dtype
-    init = nnx.initializers.uniform(2.0 / math.sqrt(hidden))
-    shift = 1.0 / math.sqrt(hidden)  # torch's U(-1/sqrt(G), 1/sqrt(G))
-    self.input_kernel = nnx.Param(
-        (init(rngs.params(), (in_features, 3 * hidden)) - shift).astype(dtype))
-    self.hidden_kernel = nnx.Param(
-        (init(rngs.params(), (hidden, 3 * hidden)) - shift).astype(dtype))
-
-
 class DFlashModule(nnx.Module):
   """NNX parameters of a DFlash drafter (+ Domino head) and its forward passes."""
 
@@ -328,11 +311,8 @@ class DFlashModule(nnx.Module):
                             for _ in range(c.num_layers)])
     self.norm = layers.RMSNorm(h, c.rms_norm_eps, precision=precision)
     if c.domino:
-      self.prefix_gru = GRU(h, c.gru_hidden_dim, rngs=rngs, precision=small)
-      self.embed_proj_in = layers.linear(h + c.gru_hidden_dim, c.emb_dim, rngs=rngs,
-                                         precision=small)
-      self.embed_proj_out = layers.linear(c.emb_dim, c.vocab_size, rngs=rngs,
-                                          precision=small)
+      add_correction_params(self, h, c.gru_hidden_dim, c.emb_dim, c.vocab_size, rngs=rngs,
+                            precision=small)
     self.inv_freq = tuple(float(f) for f in rope_inv_freq(c.head_dim, c.rope_theta,
                                                           c.rope_scaling))
 
@@ -418,28 +398,6 @@ class DFlashModule(nnx.Module):
     """
     return correction_head_of(self, embed_table, hidden,
                               num_uncorrected=self.config.pure_draft_prefix_len)
-
-
-def correction_head_of(module, embed_table: jax.Array, hidden: jax.Array, *,
-                       num_uncorrected: int = 0) -> CorrectionHead:
-  """A ``CorrectionHead`` from a module's Domino parameters (shared by DFlash's
-  Domino head and the DART-GRU correction).
-
-  module: has ``prefix_gru`` (a ``GRU``), ``embed_proj_in`` (kernel [Hb+G, E],
-  inputs: the drafter's hidden, then the GRU state) and ``embed_proj_out``
-  (kernel [E, Vc]); embed_table: [V, H] the target's embedding; hidden:
-  [..., D, Hb] the drafter's per-depth hidden (``W_z hid`` is computed here,
-  once per round).
-  """
-  w1 = module.embed_proj_in.kernel[...].astype(jnp.float32)  # [Hb+G, E]
-  size = hidden.shape[-1]
-  z = jnp.einsum("...h,he->...e", hidden.astype(jnp.float32), w1[:size])
-  return CorrectionHead(
-      z=z, w_state=w1[size:],
-      w_out=module.embed_proj_out.kernel[...].astype(jnp.float32),
-      w_input=module.prefix_gru.input_kernel[...].astype(jnp.float32),
-      w_hidden=module.prefix_gru.hidden_kernel[...].astype(jnp.float32),
-      embed=embed_table, num_uncorrected=num_uncorrected)
 
 
 def _masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array

@@ -37,11 +37,11 @@ K candidates of a depth are distinct), as ``accept_tree`` requires.
 import dataclasses
 import math
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from dart_jax.draft.correction import CorrectionHead
 from dart_jax.errors import ConfigError, InputError
 from dart_jax.tree.dart_search import exact_top_k
 from dart_jax.tree.structure import Tree, build_tree
@@ -81,55 +81,6 @@ class DARTreeConfig:
       raise ConfigError(f"DARTreeConfig.depth_bonus must be <= 0 (a positive bonus "
                         f"would rank children above their parents and break prefix "
                         f"closure), got {self.depth_bonus!r}")
-
-
-@flax.struct.dataclass
-class CorrectionHead:
-  """The Domino head as float32 arrays, for one sequence or a batch.
-
-  z: [..., D, E] ``W_z hid`` of each depth row (computed once per round);
-  w_state: [G, E] ``W_s``; w_out: [E, Vc] (``W2`` transposed, over the base
-  logits' columns: the target vocabulary, or a DART head's draft vocabulary);
-  w_input: [H, 3G] and w_hidden: [G, 3G] the GRU kernels (gates r, z, n);
-  embed: [V, H] the target's embedding (the GRU reads TARGET ids);
-  num_uncorrected: depth rows < this use the base logits.
-  """
-
-  z: jax.Array
-  w_state: jax.Array
-  w_out: jax.Array
-  w_input: jax.Array
-  w_hidden: jax.Array
-  embed: jax.Array
-  num_uncorrected: int = flax.struct.field(pytree_node=False, default=0)
-
-  @property
-  def state_size(self) -> int:
-    return self.w_hidden.shape[0]
-
-  def gru(self, tokens: jax.Array, state: jax.Array) -> jax.Array:
-    """GRU step on the embeddings of ``tokens [F]``; state [F, G] -> [F, G]."""
-    x = jnp.take(self.embed, tokens, axis=0).astype(jnp.float32)
-    gi, gh = x @ self.w_input, state @ self.w_hidden
-    g = self.state_size
-    reset = jax.nn.sigmoid(gi[..., :g] + gh[..., :g])
-    update = jax.nn.sigmoid(gi[..., g:2 * g] + gh[..., g:2 * g])
-    candidate = jnp.tanh(gi[..., 2 * g:] + reset * gh[..., 2 * g:])
-    return (1.0 - update) * candidate + update * state
-
-  def root_state(self, root: jax.Array) -> jax.Array:
-    """``s_0 = GRU(embed(root), 0)``: root [] -> [G]."""
-    return self.gru(root[None], jnp.zeros((1, self.state_size), jnp.float32))[0]
-
-  def bias(self, z: jax.Array, state: jax.Array, tokens: jax.Array) -> jax.Array:
-    """Correction of logit columns ``tokens [K]`` under each state [F, G] -> [F, K]:
-    ``W2[x] . SiLU(z + W_s s)`` with ``z [E]`` the depth's ``W_z hid`` row."""
-    hidden = jax.nn.silu(z + state @ self.w_state)  # [F, E]
-    return hidden @ jnp.take(self.w_out, tokens, axis=1)
-
-  def full_bias(self, row: int, state: jax.Array) -> jax.Array:
-    """The correction over all logit columns: state [G] -> [Vc]."""
-    return jax.nn.silu(self.z[row] + state @ self.w_state) @ self.w_out
 
 
 def resolve_method(tree: str, has_head: bool) -> str:

@@ -17,7 +17,8 @@ from dart_jax.draft.dart_gru import CORRECTION_CONFIG
 from dart_jax.models import Target
 from dart_jax.sampling import SamplingConfig
 from dart_jax.decode.round import root_tokens
-from dart_jax.tree.dartree import CorrectionHead, DARTreeConfig, dartree_build
+from dart_jax.draft.correction import CorrectionHead
+from dart_jax.tree.dartree import DARTreeConfig, dartree_build
 from tests.helpers import (PRECISIONS, TARGETS, check_first_tokens_distribution,
                            peaked_tiny_target)
 from tests.train.train_helpers import metric_records
