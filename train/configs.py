@@ -124,6 +124,9 @@ class DataSection:
     (``train/features.py``). Evaluation stays online.
   features_dtype: storage of the cached taps and log-probs: float16 (half the
     disk) or float32 (the online step's numbers exactly).
+  teacher_topk: with cached features, K > 0 keeps only each position's K most
+    likely draft ids of the teacher (the rest share the remaining mass; about
+    Vd / K times less teacher storage); 0 keeps all Vd.
   """
 
   train: tuple[str, ...] = SAMPLE_DATA
@@ -136,6 +139,7 @@ class DataSection:
   cache: bool = True
   target_features: str = "online"
   features_dtype: str = "float16"
+  teacher_topk: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +245,9 @@ class TrainConfig:
     if self.data.target_features not in ("online", "cached"):
       raise ConfigError(f"data.target_features must be online or cached, got "
                         f"{self.data.target_features!r}")
+    if self.data.teacher_topk < 0:
+      raise ConfigError(f"data.teacher_topk must be >= 0 (0 = the whole teacher), got "
+                        f"{self.data.teacher_topk}")
     if self.data.features_dtype not in ("float16", "float32"):
       raise ConfigError(f"data.features_dtype must be float16 or float32, got "
                         f"{self.data.features_dtype!r}")

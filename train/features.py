@@ -18,6 +18,14 @@ changed input never reuses stale features):
   teacher_argmax.npy  [R, T]        int32
   progress.json       {"rows_done": r}: rows [0, r) are final
 
+With ``teacher_topk=K`` (``data.teacher_topk``) the teacher is compact: only
+each position's K most likely draft ids and their log-probabilities are kept
+(``teacher_ids [R, T, K]`` int32, ``teacher_topk_logp [R, T, K]``) instead of
+all Vd; ``FeatureStore.take`` rebuilds a dense teacher whose other Vd - K ids
+share the remaining mass evenly. At Vd = 8192 and K = 64 that is 1/64 of the
+teacher's bytes, what lets millions of tokens fit on a disk; the KL then
+matches the target exactly on the top K and in total tail mass.
+
 Rows are written in order and ``progress.json`` is replaced only after the
 arrays are flushed, so an interrupted build resumes at the first unfinished
 batch. Storing log-probabilities rather than logits keeps float16 precise where
@@ -44,6 +52,7 @@ from train.data import Rows, pad_batch
 log = logging.getLogger(__name__)
 
 FIELDS = ("taps", "teacher_logp", "teacher_argmax")
+COMPACT_FIELDS = ("taps", "teacher_ids", "teacher_topk_logp", "teacher_argmax")
 _VERSION = 1
 _FLOAT16_MAX = float(np.finfo(np.float16).max)
 
@@ -54,16 +63,39 @@ class FeatureStore:
 
   directory: str
   arrays: dict[str, np.ndarray]
+  draft_vocab_size: int = 0  # Vd, to rebuild a compact teacher (0: stored dense)
 
   def __len__(self) -> int:
     return self.arrays["taps"].shape[0]
 
   def take(self, index: np.ndarray) -> dict[str, np.ndarray]:
-    """Rows ``index`` of every field: a dict to merge into a ``Rows.take`` batch."""
-    return {name: np.asarray(array[index]) for name, array in self.arrays.items()}
+    """Rows ``index`` as a dict to merge into a ``Rows.take`` batch: taps,
+    teacher_logp [n, T, Vd] (rebuilt when stored compact) and teacher_argmax."""
+    out = {name: np.asarray(array[index]) for name, array in self.arrays.items()}
+    if "teacher_ids" in out:
+      out["teacher_logp"] = dense_teacher(out.pop("teacher_ids"),
+                                          out.pop("teacher_topk_logp"),
+                                          self.draft_vocab_size)
+    return out
 
 
-def features_key(target, rows: Rows, tap_layers, d2t: np.ndarray, dtype: str) -> str:
+def dense_teacher(ids: np.ndarray, topk_logp: np.ndarray, vocab: int) -> np.ndarray:
+  """A compact teacher as log-probabilities over all ``vocab`` draft ids.
+
+  ids / topk_logp: [..., K] the K most likely draft ids and their log-probs.
+  The other ids share the remaining mass evenly (float32 [..., vocab]).
+  """
+  topk_logp = topk_logp.astype(np.float32)
+  k = ids.shape[-1]
+  rest = np.clip(1.0 - np.exp(topk_logp).sum(-1, keepdims=True), 1e-30, 1.0)
+  fill = np.log(rest / max(vocab - k, 1)) if vocab > k else np.full_like(rest, -1e30)
+  dense = np.broadcast_to(fill, ids.shape[:-1] + (vocab,)).copy()
+  np.put_along_axis(dense, ids.astype(np.int64), topk_logp, axis=-1)
+  return np.maximum(dense, -_FLOAT16_MAX)
+
+
+def features_key(target, rows: Rows, tap_layers, d2t: np.ndarray, dtype: str,
+                 teacher_topk: int = 0) -> str:
   """A digest of everything the features depend on."""
   digest = hashlib.sha256()
   for array in (rows.tokens, rows.segment_ids, rows.positions):
@@ -72,27 +104,38 @@ def features_key(target, rows: Rows, tap_layers, d2t: np.ndarray, dtype: str) ->
   digest.update(json.dumps({
       "target": target.source, "config": repr(target.config),
       "target_precision": target.precision.name, "taps": list(tap_layers),
-      "dtype": dtype, "version": _VERSION}, sort_keys=True).encode())
+      "dtype": dtype, "version": _VERSION,
+      **({"teacher_topk": teacher_topk} if teacher_topk else {})}, sort_keys=True).encode())
   return digest.hexdigest()[:16]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "tap_layers", "attn_impl"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "tap_layers", "attn_impl",
+                                             "teacher_topk"))
 def row_features(graphdef, params, batch: dict, d2t: jax.Array, *, tap_layers: tuple[int, ...],
-                 attn_impl: str = "xla") -> tuple[jax.Array, losses.Teacher]:
+                 attn_impl: str = "xla", teacher_topk: int = 0):
   """One frozen target pass over packed rows [B, T] -> (taps [B, T, n*Ht],
-  Teacher at every position [B, T])."""
+  Teacher at every position [B, T], and with ``teacher_topk`` K the top-K
+  (log-probs [B, T, K], draft ids [B, T, K]) of its log-probs, else None)."""
   target_model = nnx.merge(graphdef, params)
   out = target_model(batch["tokens"], batch["positions"], None,
                      losses.target_attention_mask(batch["segment_ids"]), taps=tap_layers,
                      attn_impl=attn_impl)
-  return out.taps, losses.teacher_from_logits(out.logits, d2t)
+  teacher = losses.teacher_from_logits(out.logits, d2t)
+  top = jax.lax.top_k(teacher.logp, teacher_topk) if teacher_topk else None
+  return out.taps, teacher, top
 
 
-def _shapes(target, rows: Rows, tap_layers, vocab: int) -> dict[str, tuple[int, ...]]:
+def _shapes(target, rows: Rows, tap_layers, vocab: int, teacher_topk: int = 0
+            ) -> dict[str, tuple[int, ...]]:
   num_rows, length = rows.tokens.shape
-  return {"taps": (num_rows, length, len(tap_layers) * target.config.hidden_size),
-          "teacher_logp": (num_rows, length, vocab),
-          "teacher_argmax": (num_rows, length)}
+  shapes = {"taps": (num_rows, length, len(tap_layers) * target.config.hidden_size),
+            "teacher_argmax": (num_rows, length)}
+  if teacher_topk:
+    shapes.update(teacher_ids=(num_rows, length, teacher_topk),
+                  teacher_topk_logp=(num_rows, length, teacher_topk))
+  else:
+    shapes["teacher_logp"] = (num_rows, length, vocab)
+  return shapes
 
 
 def _read_progress(directory: str) -> int:
@@ -115,9 +158,10 @@ def _open_arrays(directory: str, shapes: dict, dtype: str, resume: bool
   """Memory-maps the fields (creating them unless resuming); None if a file to
   resume from is missing or has another shape or dtype."""
   arrays = {}
-  for name in FIELDS:
+  for name in shapes:
     path = os.path.join(directory, name + ".npy")
-    field_dtype = np.int32 if name == "teacher_argmax" else np.dtype(dtype)
+    field_dtype = (np.int32 if name in ("teacher_argmax", "teacher_ids")
+                   else np.dtype(dtype))
     if resume:
       try:
         # Read-only first: "r+" would silently extend a truncated file with zeros.
@@ -136,7 +180,7 @@ def _open_arrays(directory: str, shapes: dict, dtype: str, resume: bool
 
 def load_or_build(target, rows: Rows, tap_layers, d2t, workdir: str, *,
                   dtype: str = "float16", batch_size: int = 4, attn_impl: str = "xla",
-                  progress: bool = True,
+                  progress: bool = True, teacher_topk: int = 0,
                   batch_callback: Callable[[int], None] | None = None) -> FeatureStore:
   """The features of ``rows``: loaded when complete, else built (or resumed).
 
@@ -150,6 +194,8 @@ def load_or_build(target, rows: Rows, tap_layers, d2t, workdir: str, *,
     batch_size: rows per target pass.
     attn_impl: the target's attention implementation.
     progress: show a progress bar.
+    teacher_topk: K > 0 stores the compact teacher (the K most likely draft
+      ids per position); 0 the dense one. K must be below Vd.
     batch_callback: called with the rows done after each written batch (tests
       interrupt a build with it).
   Raises:
@@ -157,10 +203,13 @@ def load_or_build(target, rows: Rows, tap_layers, d2t, workdir: str, *,
   """
   tap_layers = tuple(int(i) for i in tap_layers)
   d2t = np.asarray(d2t)
-  directory = os.path.join(workdir, "features",
-                           features_key(target, rows, tap_layers, d2t, dtype))
+  if not 0 <= teacher_topk < len(d2t):
+    raise ConfigError(f"data.teacher_topk={teacher_topk} must be in [0, {len(d2t)}) (the "
+                      "draft vocabulary); 0 stores the whole teacher")
+  directory = os.path.join(workdir, "features", features_key(target, rows, tap_layers, d2t,
+                                                             dtype, teacher_topk))
   os.makedirs(directory, exist_ok=True)
-  shapes = _shapes(target, rows, tap_layers, len(d2t))
+  shapes = _shapes(target, rows, tap_layers, len(d2t), teacher_topk)
   done = _read_progress(directory)
   arrays = _open_arrays(directory, shapes, dtype, resume=done > 0)
   if arrays is None:
@@ -168,9 +217,10 @@ def load_or_build(target, rows: Rows, tap_layers, d2t, workdir: str, *,
     done = 0
     arrays = _open_arrays(directory, shapes, dtype, resume=False)
   num_rows = len(rows)
+  store = FeatureStore(directory, arrays, len(d2t) if teacher_topk else 0)
   if done >= num_rows:
     log.info("loaded target features of %d rows from %s", num_rows, directory)
-    return FeatureStore(directory, arrays)
+    return store
 
   from tqdm import tqdm
   log.info("computing target features of rows %d..%d into %s", done, num_rows, directory)
@@ -180,14 +230,21 @@ def load_or_build(target, rows: Rows, tap_layers, d2t, workdir: str, *,
     for start in range(done, num_rows, batch_size):
       index = np.arange(start, min(start + batch_size, num_rows))
       batch = pad_batch(rows.take(index), batch_size)
-      taps, teacher = jax.device_get(row_features(
+      taps, teacher, top = jax.device_get(row_features(
           target.graphdef, target.params, batch, device_d2t, tap_layers=tap_layers,
-          attn_impl=attn_impl))
+          attn_impl=attn_impl, teacher_topk=teacher_topk))
       n = len(index)
       _check_range(taps[:n], dtype)
       arrays["taps"][start:start + n] = taps[:n]
       # float16 turns log-probs below -65504 into -inf, and 0 * inf is NaN in the KL.
-      arrays["teacher_logp"][start:start + n] = np.maximum(teacher.logp[:n], -_FLOAT16_MAX)
+      if teacher_topk:
+        top_logp, top_ids = top
+        arrays["teacher_ids"][start:start + n] = top_ids[:n]
+        arrays["teacher_topk_logp"][start:start + n] = np.maximum(top_logp[:n],
+                                                                  -_FLOAT16_MAX)
+      else:
+        arrays["teacher_logp"][start:start + n] = np.maximum(teacher.logp[:n],
+                                                             -_FLOAT16_MAX)
       arrays["teacher_argmax"][start:start + n] = teacher.argmax[:n]
       for array in arrays.values():
         array.flush()
@@ -195,7 +252,7 @@ def load_or_build(target, rows: Rows, tap_layers, d2t, workdir: str, *,
       bar.update(n)
       if batch_callback is not None:
         batch_callback(start + n)
-  return FeatureStore(directory, arrays)
+  return store
 
 
 def _check_range(taps: np.ndarray, dtype: str) -> None:

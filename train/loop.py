@@ -291,13 +291,67 @@ def _target_features(config: TrainConfig, target, rows: data_lib.Rows, head,
   return features_lib.load_or_build(
       target, rows, dart.config.tap_layers, np.asarray(dart.params["d2t"][...]), workdir,
       dtype=config.data.features_dtype, batch_size=config.batch_size,
-      attn_impl=settings.attn_impl, progress=config.progress)
+      attn_impl=settings.attn_impl, progress=config.progress,
+      teacher_topk=config.data.teacher_topk)
 
 
 def _checkpoint_manager(workdir: str, keep: int) -> ocp.CheckpointManager:
   options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
   return ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")),
                                options=options)
+
+
+def _step_settings(config: TrainConfig, head, objective) -> StepSettings:
+  return StepSettings(
+      head_config=head.config, num_anchors=config.loss.num_anchors,
+      level_decay=config.loss.level_decay, param_dtype=config.param_dtype
+      if config.param_dtype != "auto" else "float32", compute_dtype=config.compute_dtype,
+      attn_impl=config.attn_impl, optim=config.optim, steps=config.steps,
+      **objective.step_options(config, head))
+
+
+def _local_eval_batches(config: TrainConfig, rows: data_lib.Rows | None) -> list[dict]:
+  """This process's rows of the fixed held-out batches (none without eval data)."""
+  if rows is None:
+    return []
+  local_rows = config.batch_size // jax.process_count()
+  lo = jax.process_index() * local_rows
+  return [{k: v[lo:lo + local_rows] for k, v in b.items()}
+          for b in data_lib.eval_batches(rows, config.batch_size, config.eval_batches)]
+
+
+def _restore(manager: ocp.CheckpointManager, state: dict, iterator, workdir: str,
+             is_main: bool) -> tuple[dict, int]:
+  """The latest checkpoint's state and data position, else ``state`` at step 0."""
+  start = manager.latest_step()
+  if start is None:
+    return state, 0
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+  try:
+    restored = manager.restore(start, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
+  except Exception as e:  # Orbax raises several types for a mismatched tree.
+    raise CheckpointError(
+        f"cannot restore the checkpoint of step {start} in "
+        f"{os.path.join(workdir, 'checkpoints')}: {e}; was it written with another "
+        "config (head.kind, draft_length, draft_vocab_size, dflash.*, optimizer)? "
+        "Use a new --workdir") from e
+  iterator.set_state(restored["data"])
+  if is_main:
+    log.info("resumed from step %d", start)
+  return restored["state"], int(start)
+
+
+def _train_record(settings: StepSettings, done: int, host: dict, steps: int,
+                  seconds: float) -> dict:
+  """The logged record of the last ``steps`` steps (host copies of the sums)."""
+  record = {"split": "train", "step": done, **summarize(settings, host["running"]),
+            "loss": float(host["loss"]) / steps,
+            "grad_norm": float(host["m"]["grad_norm"]), "lr": float(host["m"]["lr"]),
+            "tokens_per_s": float(host["tokens"]) / max(seconds, 1e-9), "time": time.time()}
+  if "domino_lambda" in host["m"]:
+    record["domino_lambda"] = float(host["m"]["domino_lambda"])
+  return record
 
 
 def train(config: TrainConfig, workdir: str, *,
@@ -331,47 +385,21 @@ def train(config: TrainConfig, workdir: str, *,
              "%d target tokens", s.records, s.malformed, s.truncated, len(prepared.train),
              0 if prepared.eval is None else len(prepared.eval), s.target_tokens)
 
-  settings = StepSettings(
-      head_config=head.config, num_anchors=config.loss.num_anchors,
-      level_decay=config.loss.level_decay, param_dtype=config.param_dtype
-      if config.param_dtype != "auto" else "float32", compute_dtype=config.compute_dtype,
-      attn_impl=config.attn_impl, optim=config.optim, steps=config.steps,
-      **objective.step_options(config, head))
+  settings = _step_settings(config, head, objective)
   iterator = data_lib.BatchIterator(
       prepared.train, config.batch_size, config.data.shuffle_seed,
       process_index=jax.process_index(), process_count=jax.process_count())
   features = None
   if config.data.target_features == "cached":
     features = _target_features(config, target, prepared.train, head, settings, workdir)
-  local_rows = config.batch_size // jax.process_count()
-  evals = []
-  if prepared.eval is not None:
-    for b in data_lib.eval_batches(prepared.eval, config.batch_size, config.eval_batches):
-      lo = jax.process_index() * local_rows
-      evals.append({k: v[lo:lo + local_rows] for k, v in b.items()})
+  evals = _local_eval_batches(config, prepared.eval)
 
   history: list = []
   manager = _checkpoint_manager(workdir, config.keep_checkpoints)
   with jax.set_mesh(mesh):
     target_params = place_target(target, mesh)
     state = place_state(init_state(head, settings, config.seed), settings, mesh)
-    start = manager.latest_step()
-    if start is not None:
-      abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-      try:
-        restored = manager.restore(start, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
-      except Exception as e:  # Orbax raises several types for a mismatched tree.
-        raise CheckpointError(
-            f"cannot restore the checkpoint of step {start} in "
-            f"{os.path.join(workdir, 'checkpoints')}: {e}; was it written with another "
-            "config (head.kind, draft_length, draft_vocab_size, dflash.*, optimizer)? "
-            "Use a new --workdir") from e
-      state = restored["state"]
-      iterator.set_state(restored["data"])
-      if is_main:
-        log.info("resumed from step %d", start)
-    start = int(start or 0)
+    state, start = _restore(manager, state, iterator, workdir, is_main)
 
     bar = tqdm(total=config.steps, initial=start, unit="step", dynamic_ncols=True,
                disable=not (config.progress and is_main))
@@ -416,15 +444,7 @@ def train(config: TrainConfig, workdir: str, *,
           host = jax.device_get({"m": metrics, "running": running, "loss": running_loss,
                                  "tokens": tokens})
           now = time.perf_counter()
-          record = {"split": "train", "step": done,
-                    **summarize(settings, host["running"]),
-                    "loss": float(host["loss"]) / n_running,
-                    "grad_norm": float(host["m"]["grad_norm"]),
-                    "lr": float(host["m"]["lr"]),
-                    "tokens_per_s": float(host["tokens"]) / max(now - t_last, 1e-9),
-                    "time": time.time()}
-          if "domino_lambda" in host["m"]:
-            record["domino_lambda"] = float(host["m"]["domino_lambda"])
+          record = _train_record(settings, done, host, n_running, now - t_last)
           history.append(record)
           logger.write(record)
           bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['acc'][0]:.3f}")

@@ -65,6 +65,36 @@ def test_stored_features_are_the_target_pass(tiny, tmp_path):
   np.testing.assert_allclose(half.arrays["teacher_logp"][row], logp, rtol=2e-3, atol=2e-2)
 
 
+def test_compact_teacher_keeps_the_top_k_and_the_tail_mass(tiny, tmp_path):
+  """teacher_topk=K: the K most likely ids are stored exactly, the other ids share
+  the rest of the mass; the file is about Vd / K times smaller."""
+  target, head, rows, d2t = tiny
+  dense = _build(tiny, tmp_path / "dense", dtype="float32")
+  k = 8
+  compact = _build(tiny, tmp_path / "compact", dtype="float32", teacher_topk=k)
+  assert "teacher_logp" not in compact.arrays and compact.arrays["teacher_ids"].shape[-1] == k
+  index = np.arange(len(rows))
+  full = dense.take(index)["teacher_logp"]
+  rebuilt = compact.take(index)
+  np.testing.assert_array_equal(rebuilt["taps"], dense.arrays["taps"])
+  np.testing.assert_array_equal(rebuilt["teacher_argmax"], dense.arrays["teacher_argmax"])
+  top = np.argsort(-full, axis=-1)[..., :k]
+  np.testing.assert_allclose(np.take_along_axis(rebuilt["teacher_logp"], top, -1),
+                             np.take_along_axis(full, top, -1), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(np.exp(rebuilt["teacher_logp"]).sum(-1), 1.0, atol=1e-4)
+  rest = np.ones(full.shape, bool)
+  np.put_along_axis(rest, top, False, -1)
+  tail = np.where(rest, np.exp(full), 0).sum(-1)
+  np.testing.assert_allclose(np.where(rest, np.exp(rebuilt["teacher_logp"]), 0).sum(-1),
+                             tail, rtol=1e-3, atol=1e-6)
+  teacher_bytes = lambda store: sum(a.nbytes for n, a in store.arrays.items()
+                                    if n.startswith("teacher_") and n != "teacher_argmax")
+  assert teacher_bytes(dense) >= (len(d2t) / (2 * k)) * teacher_bytes(compact)
+  assert compact.directory != dense.directory
+  with pytest.raises(ConfigError, match="teacher_topk"):
+    _build(tiny, tmp_path / "bad", teacher_topk=len(d2t))
+
+
 def test_interrupted_build_resumes_where_it_stopped(tiny, tmp_path):
   reference = _build(tiny, tmp_path / "whole", dtype="float32")
 
@@ -144,6 +174,8 @@ def test_cached_features_are_only_for_dart_heads():
     overrides.load_config("tiny", ["data.target_features=offline"])
   with pytest.raises(ConfigError, match="float16 or float32"):
     overrides.load_config("tiny", ["data.features_dtype=bfloat16"])
+  with pytest.raises(ConfigError, match="teacher_topk"):
+    overrides.load_config("tiny", ["data.teacher_topk=-1"])
 
 
 def test_dart_gru_loss_from_cached_features_equals_online(tiny, tmp_path):
