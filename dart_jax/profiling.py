@@ -78,6 +78,36 @@ class CompileWatch:
     return sum(d for _, name, d in self.events if not _is_prefill(name))
 
 
+def _read_map_counts() -> tuple[int, int] | None:
+  """(memory maps of this process, the kernel's per-process limit), or None
+  where /proc does not tell (not Linux)."""
+  try:
+    with open("/proc/self/maps", "rb") as f:
+      used = sum(1 for _ in f)
+    with open("/proc/sys/vm/max_map_count") as f:
+      return used, int(f.read())
+  except (OSError, ValueError):
+    return None
+
+
+def free_compiled_code_near_map_limit(fraction: float = 0.75) -> bool:
+  """Drops JAX's compiled programs when this process nears its memory-map limit.
+
+  XLA:CPU maps the code of every compiled program into the process (about 5
+  maps for a tiny one, many more for a model round); a long run that compiles
+  many methods and shapes (``infer.bench --profile`` over every method) can
+  pass ``vm.max_map_count``, and the next compile then fails with "LLVM
+  compilation error: Cannot allocate memory". Past ``fraction`` of the limit
+  this clears the caches (programs recompile when next used) and returns True.
+  """
+  counts = _read_map_counts()
+  if counts is None or counts[0] < fraction * counts[1]:
+    return False
+  jax.clear_caches()
+  _COMPILED.clear()
+  return True
+
+
 def no_wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
   """The default ``wrap``: phases run as they are, fused into the round."""
   del name

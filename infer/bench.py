@@ -113,7 +113,7 @@ import dart_jax as dj
 from dart_jax.errors import InputError
 from dart_jax.models import precision
 from dart_jax.generate import encode_prompts, stop_token_ids
-from dart_jax.profiling import CompileWatch
+from dart_jax.profiling import CompileWatch, free_compiled_code_near_map_limit
 from dart_jax.tree.dartree import num_tree_nodes, resolve_method
 from infer import datasets
 from infer.bench_options import (DART_GRU_METHODS, DART_GRU_TREES, DART_METHODS,
@@ -185,6 +185,10 @@ class JaxMethod:
 
   def run(self, prompt_ids: list[int], sampling: Sampling, max_new_tokens: int,
           seed: int) -> RunRecord:
+    # A run that recompiles after this is discarded and rerun, as any cold run.
+    if free_compiled_code_near_map_limit():
+      print("[bench] near the process's memory-map limit: dropped JAX's compiled "
+            "programs (they recompile)", file=sys.stderr)
     for attempt in range(MAX_COLD_RETRIES + 1):
       start = time.perf_counter()
       with CompileWatch() as watch:

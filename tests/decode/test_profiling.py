@@ -16,6 +16,7 @@ import pytest
 
 import dart_jax as dj
 from dart_jax.models import Target
+from dart_jax import profiling
 from dart_jax.profiling import PhaseTimer, no_wrap
 from dart_jax.tree import DARTreeConfig
 from tests.helpers import TARGETS
@@ -83,3 +84,17 @@ def test_dartree_profiled_generation_equals_the_fused_round(tiny_dartree):
   assert fused.stats.phase_s == {}
   assert set(profiled.stats.phase_s) == set(PHASES)
   assert all(s > 0 for s in profiled.stats.phase_s.values()), profiled.stats.phase_s
+
+
+def test_compiled_code_is_dropped_only_near_the_map_limit(monkeypatch):
+  real = profiling._read_map_counts
+  cleared = []
+  monkeypatch.setattr(profiling.jax, "clear_caches", lambda: cleared.append(True))
+  monkeypatch.setattr(profiling, "_read_map_counts", lambda: (1000, 65530))
+  assert not profiling.free_compiled_code_near_map_limit() and not cleared
+  monkeypatch.setattr(profiling, "_read_map_counts", lambda: (60000, 65530))
+  assert profiling.free_compiled_code_near_map_limit() and cleared == [True]
+  monkeypatch.setattr(profiling, "_read_map_counts", lambda: None)  # no /proc
+  assert not profiling.free_compiled_code_near_map_limit()
+  counts = real()
+  assert counts is None or 0 < counts[0] < counts[1]
