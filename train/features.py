@@ -121,8 +121,10 @@ def row_features(graphdef, params, batch: dict, d2t: jax.Array, *, tap_layers: t
                      losses.target_attention_mask(batch["segment_ids"]), taps=tap_layers,
                      attn_impl=attn_impl)
   teacher = losses.teacher_from_logits(out.logits, d2t)
-  top = jax.lax.top_k(teacher.logp, teacher_topk) if teacher_topk else None
-  return out.taps, teacher, top
+  if not teacher_topk:
+    return out.taps, teacher, None
+  # Only the top K leave the device: the dense [B, T, Vd] teacher is not stored.
+  return out.taps, teacher._replace(logp=None), jax.lax.top_k(teacher.logp, teacher_topk)
 
 
 def _shapes(target, rows: Rows, tap_layers, vocab: int, teacher_topk: int = 0

@@ -184,10 +184,11 @@ class SpeculativeDecoder:
     t, p = self.target, self.proposer
     p.check_fits(capacity, tokens.shape[1])
     batch = tokens.shape[0]
-    return _swap(speculative_prefill(
+    first, state = speculative_prefill(
         t.graphdef, t.params, self.draft_params, t.new_cache(batch, capacity),
         p.new_draft_cache(batch, capacity, t.dtype, t.attn_impl), tokens, prompt_lens,
-        self.keys.next(), proposer=p, sampling=self.sampling, attn_impl=t.attn_impl))
+        self.keys.next(), proposer=p, sampling=self.sampling, attn_impl=t.attn_impl)
+    return state, first
 
   def step(self, state, active, attend_len):
     t = self.target
@@ -198,8 +199,3 @@ class SpeculativeDecoder:
       return speculative_round(*args, **static)
     wrap = self.timer.wrap(_round, t.graphdef, *sorted(static.items()))
     return _round(*args, **static, wrap=wrap)
-
-
-def _swap(first_and_state):
-  first, state = first_and_state
-  return state, first
