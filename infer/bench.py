@@ -113,6 +113,7 @@ import dart_jax as dj
 from dart_jax.errors import InputError
 from dart_jax.models import precision
 from dart_jax.generate import encode_prompts, stop_token_ids
+from dart_jax.decode.methods import METHODS as REGISTRY
 from dart_jax.profiling import CompileWatch, free_compiled_code_near_map_limit
 from dart_jax.tree.dartree import num_tree_nodes, resolve_method
 from infer import datasets
@@ -528,9 +529,10 @@ def run_benchmark(args, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
   if any(m in DART_METHODS for m in methods):
     head, ngram = load_dart_args(args, target)
     tree, tree_info = tree_config_from_args(args, target, head, ngram, log)
-    context = {"dart": args.context_ngram != "off", "dart-no-context": False}
     for m in (m for m in methods if m in DART_METHODS):
-      speculative[m] = dict(draft=head, ngram=ngram, tree=tree, context_ngram=context[m])
+      # The registry says whether the method uses the context N-gram at all.
+      context = REGISTRY[m].context_ngram and args.context_ngram != "off"
+      speculative[m] = dict(draft=head, ngram=ngram, tree=tree, context_ngram=context)
   runners: dict[str, Any] = {"ar": JaxMethod(target)}
   runners.update({m: JaxMethod(target, **options) for m, options in speculative.items()})
   profilers = ({m: JaxMethod(target, **options, profile=True)
