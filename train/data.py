@@ -537,6 +537,7 @@ def regenerate(target, data_paths: Sequence[str], out_path: str, *, max_new_toke
                batch_size: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: int = 0, max_prompt_tokens: int = 2048,
                max_batches: int = 0, group_by_length: bool = False,
+               first_batch: int = 0, last_batch: int = 0,
                progress: bool = True) -> dict:
   """Replaces the assistant turns of chat data with the target's own answers.
 
@@ -551,6 +552,11 @@ def regenerate(target, data_paths: Sequence[str], out_path: str, *, max_new_toke
   turns and similar first-prompt lengths (a stable sort on both): a batch's
   follow-up rounds then run with every row, and prefill pads little. The order
   is a pure function of the input, so resuming still works.
+
+  ``first_batch`` / ``last_batch`` (0 = to the end) answer one slice of that
+  batch plan, so two runs over one prompt file can answer disjoint prompts
+  (e.g. greedy for batches [0, 60), sampled for [60, 76)). ``max_batches``
+  only caps this run; a rerun goes on.
 
   Returns counts: written, skipped (text records, no user turn), unanswered
   (written without an answer: first prompt too long), malformed.
@@ -570,22 +576,26 @@ def regenerate(target, data_paths: Sequence[str], out_path: str, *, max_new_toke
         item[1][0] + item[1][1][0]))))
   skipped = len(records) - len(valid)
   batches = [valid[j:j + batch_size] for j in range(0, len(valid), batch_size)]
+  stop = len(batches) if not last_batch else min(len(batches), last_batch)
+  if not 0 <= first_batch < stop:
+    raise InputError(f"batch range [{first_batch}, {last_batch or len(batches)}) is empty; "
+                     f"the data makes {len(batches)} batches of {batch_size}")
 
   done = _complete_lines(out_path)
   by_batch = collections.Counter(line["batch"] for line in done)
-  start = 0
-  while start < len(batches) and by_batch.get(start, 0) == len(batches[start]):
+  start = first_batch
+  while start < stop and by_batch.get(start, 0) == len(batches[start]):
     start += 1
-  if by_batch and start < len(batches) and by_batch.get(start, 0):
+  if start < stop and by_batch.get(start, 0):
     # The last batch was cut short: drop its lines and redo it.
     keep = [line for line in done if line["batch"] < start]
     with open(out_path, "w", encoding="utf-8") as f:
       f.writelines(json.dumps(line, ensure_ascii=False) + "\n" for line in keep)
-  written = sum(len(b) for b in batches[:start])
+  written = sum(len(b) for b in batches[first_batch:start])
   unanswered = 0
-  end = len(batches) if not max_batches else min(len(batches), start + max_batches)
-  bar = tqdm(total=len(valid), initial=written, unit="conv", disable=not progress,
-             desc="regenerate")
+  end = stop if not max_batches else min(stop, start + max_batches)
+  bar = tqdm(total=sum(len(b) for b in batches[first_batch:stop]), initial=written,
+             unit="conv", disable=not progress, desc="regenerate")
   tokenizer = target.tokenizer
   new_tokens, generate_s = 0, 0.0  # This run's, for the tokens/s on the bar.
   for j in range(start, end):
@@ -653,7 +663,12 @@ def _build_parser() -> argparse.ArgumentParser:
   r.add_argument("--top-k", type=int, default=0)
   r.add_argument("--seed", type=int, default=0)
   r.add_argument("--max-prompt-tokens", type=int, default=2048)
-  r.add_argument("--max-batches", type=int, default=0, help="stop after N batches (0 = all)")
+  r.add_argument("--max-batches", type=int, default=0,
+                 help="stop this run after N batches (0 = all); a rerun goes on")
+  r.add_argument("--first-batch", type=int, default=0,
+                 help="answer the batch plan from batch N on (to give runs disjoint prompts)")
+  r.add_argument("--last-batch", type=int, default=0,
+                 help="stop before batch N of the plan (0 = the end)")
   r.add_argument("--group-by-length", action="store_true",
                  help="batch conversations of equal turn count and similar prompt length")
   precision.add_cli_flag(r)
@@ -678,7 +693,8 @@ def main(argv=None) -> int:
                           top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                           max_prompt_tokens=args.max_prompt_tokens,
                           max_batches=args.max_batches,
-                          group_by_length=args.group_by_length)
+                          group_by_length=args.group_by_length,
+                          first_batch=args.first_batch, last_batch=args.last_batch)
       print(json.dumps(result))
     else:
       stats = DataStats()

@@ -261,3 +261,28 @@ def test_regenerate_grouped_by_length_batches_equal_turn_counts(tmp_path):
     by_index = {x["index"]: x["messages"] for x in map(json.loads, f)}
   # Greedy answers do not depend on the batch a conversation landed in.
   assert all(by_index[x["index"]] == x["messages"] for x in lines)
+
+
+def test_regenerate_batch_slices_answer_disjoint_prompts(tmp_path):
+  import dart_jax as dj
+
+  target = dj.load_target(TINY_TARGET)
+  convs = [{"messages": [{"role": "user", "content": f"Count to {n}."}]} for n in range(5)]
+  src = _write(tmp_path / "in.jsonl", convs)
+  kwargs = dict(max_new_tokens=2, batch_size=2, temperature=1.0, seed=3, progress=False)
+  full = str(tmp_path / "full.jsonl")
+  data_lib.regenerate(target, [src], full, **kwargs)
+  head, tail = str(tmp_path / "head.jsonl"), str(tmp_path / "tail.jsonl")
+  data_lib.regenerate(target, [src], head, last_batch=1, **kwargs)
+  result = data_lib.regenerate(target, [src], tail, first_batch=1, **kwargs)
+  assert result["written"] == 3 and result["batches_done"] == 3
+  read = lambda p: [json.loads(x) for x in open(p)]
+  assert [x["index"] for x in read(head)] == [0, 1]
+  assert [x["index"] for x in read(tail)] == [2, 3, 4]
+  # A slice samples each batch with its own seed: the pieces are the full run.
+  assert read(head) + read(tail) == read(full)
+  # Rerunning a finished slice answers nothing new.
+  again = data_lib.regenerate(target, [src], tail, first_batch=1, **kwargs)
+  assert again["new_tokens"] == 0 and read(tail) == read(full)[2:]
+  with pytest.raises(dj.InputError, match="is empty"):
+    data_lib.regenerate(target, [src], str(tmp_path / "x.jsonl"), first_batch=3, **kwargs)
