@@ -12,7 +12,6 @@ import dataclasses
 import time
 from typing import Any, Iterator, Sequence
 
-import jax.numpy as jnp
 import numpy as np
 
 from dart_jax.decode.ar import Decoder
@@ -155,8 +154,8 @@ def run_rounds(target: Target, prompt_ids: list[list[int]], decoder: Decoder,
 
   stats = GenerateStats()
   t0 = time.perf_counter()
-  state, first = decoder.start(jnp.asarray(tokens), jnp.asarray(prompt_lens), capacity,
-                               None)
+  state, first = decoder.start(target.place_batch(tokens), target.place_batch(prompt_lens),
+                               capacity, None)
   first = np.asarray(first)
   stats.time_to_first_token_s = time.perf_counter() - t0
   emitted = [[] for _ in range(batch)]
@@ -182,7 +181,7 @@ def run_rounds(target: Target, prompt_ids: list[list[int]], decoder: Decoder,
     while not done.all():
       active = ~done
       attend_len = attend_bucket(int(committed[active].max()) + 1, capacity)
-      state, new_tokens, num_new = decoder.step(state, jnp.asarray(active), attend_len)
+      state, new_tokens, num_new = decoder.step(state, target.place_batch(active), attend_len)
       new_tokens, num_new = np.asarray(new_tokens), np.asarray(num_new)
       stats.rounds += 1
       row_rounds += int(active.sum())

@@ -111,6 +111,7 @@ import jax
 
 import dart_jax as dj
 from dart_jax.errors import InputError
+from dart_jax import sharding
 from dart_jax.models import precision
 from dart_jax.generate import encode_prompts, stop_token_ids
 from dart_jax.decode.methods import METHODS as REGISTRY
@@ -481,7 +482,8 @@ def run_benchmark(args, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
   tree_config = (dartree_config(args, allow_auto=True)
                  if any(m in DARTREE_METHODS + DART_GRU_METHODS for m in methods) else None)
 
-  target = dj.load_target(args.model, dtype=precision.resolve_flag(args.precision))
+  mesh = sharding.mesh_from_flag(args.mesh)
+  target = dj.load_target(args.model, dtype=precision.resolve_flag(args.precision), mesh=mesh)
   if target.tokenizer is None:
     raise InputError(f"the target at {target.source} has no tokenizer; the benchmark "
                      "prompts are chat text")

@@ -14,6 +14,7 @@ import dart_jax as dj
 from dart_jax.decode.methods import METHODS as REGISTRY
 from dart_jax.decode.methods import method_names
 from dart_jax.errors import InputError
+from dart_jax import sharding
 from dart_jax.models import precision
 from dart_jax.tree.dartree import DARTreeConfig
 from dart_jax import tree_budget as tb
@@ -98,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "per-phase timing (search/verify/accept/draft)")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
   precision.add_cli_flag(p)
+  sharding.add_cli_flag(p)
   return p
 
 

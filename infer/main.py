@@ -14,6 +14,7 @@ import sys
 import dart_jax as dj
 from dart_jax.decode.methods import METHODS as REGISTRY
 from dart_jax.decode.methods import method_names
+from dart_jax import sharding
 from dart_jax.models import precision
 from infer import bench_options
 
@@ -60,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "then run both once more now that they are compiled, and print "
                       "both warm rates and the speedup (implies --stats)")
   precision.add_cli_flag(p)
+  sharding.add_cli_flag(p)
   bench_options.add_dartree_args(p)
   return p
 
@@ -142,7 +144,9 @@ def main(argv=None) -> int:
     method = choose_method(args)
     tree_methods = bench_options.DARTREE_METHODS + bench_options.DART_GRU_METHODS
     tree_config = bench_options.dartree_config(args) if method in tree_methods else None
-    target = dj.load_target(args.model, dtype=precision.resolve_flag(args.precision))
+    mesh = sharding.mesh_from_flag(args.mesh)  # before anything else starts JAX
+    target = dj.load_target(args.model, dtype=precision.resolve_flag(args.precision),
+                            mesh=mesh)
     kwargs = {}
     if method == "dart":
       kwargs["draft"], kwargs["ngram"] = bench_options.load_dart_args(args, target)

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 import dart_jax as dj
+from dart_jax import sharding as model_sharding
 from dart_jax.draft.dart_gru import DartGruConfig, DartGruDrafter
 from dart_jax.draft.dart_head import DartConfig, DartHead
 from dart_jax.draft.dflash import DFlashConfig, DFlashDrafter
@@ -102,7 +103,7 @@ def head_from_state(config, state: dict):
 def state_specs(state: dict, settings: StepSettings, mesh) -> dict:
   """PartitionSpecs of a train state: parameters and moments by the rules."""
   def param_spec(path, leaf):
-    return sharding.spec_for(sharding.path_str(path), np.shape(leaf), mesh)
+    return model_sharding.spec_for(model_sharding.path_str(path), np.shape(leaf), mesh)
 
   params = jax.tree_util.tree_map_with_path(param_spec, state["params"])
   tx, _ = make_optimizer(settings.optim, settings.steps)
@@ -184,29 +185,16 @@ def init_state(head, settings: StepSettings, seed: int) -> dict:
           "step": jnp.zeros((), jnp.int32), "rng": jax.random.PRNGKey(seed)}
 
 
-def put_global(tree, shardings):
-  """Host values (identical on every process) -> global arrays with ``shardings``.
-
-  ``make_array_from_callback`` builds each process's shards from its own copy,
-  which also works when the mesh spans several hosts (``device_put`` of a local
-  array to a multi-host sharding does not).
-  """
-  def one(x, s):
-    host = np.asarray(x)
-    return jax.make_array_from_callback(host.shape, s, lambda index: host[index])
-  return jax.tree.map(one, tree, shardings)
-
-
 def place_state(state: dict, settings: StepSettings, mesh) -> dict:
   specs = state_specs(state, settings, mesh)
   shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), specs,
                            is_leaf=lambda x: isinstance(x, P))
-  return put_global(state, shardings)
+  return model_sharding.put(state, shardings)
 
 
 def place_target(target, mesh):
   """The target's parameters sharded by the rules over ``mesh``."""
-  return put_global(target.params, sharding.param_shardings(target.params, mesh))
+  return model_sharding.put(target.params, model_sharding.param_shardings(target.params, mesh))
 
 
 # ---------------------------------------------------------------- logging

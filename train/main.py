@@ -74,7 +74,7 @@ def main(argv=None) -> int:
       import json
       print(json.dumps(configs.to_dict(config), indent=2))
       return 0
-    from train import sharding
+    from dart_jax import sharding
     sharding.maybe_initialize_distributed(config.distributed)  # before any JAX call
     import jax
     if jax.process_index() != 0:

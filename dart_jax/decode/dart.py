@@ -108,11 +108,11 @@ class DartProposer:
       raise InputError(f"draft length D={d} does not fit a cache of {capacity} rows; "
                        "raise max_length or use a smaller D")
 
-  def new_draft_cache(self, batch, capacity, dtype, attn_impl):
+  def new_draft_cache(self, batch, capacity, dtype, attn_impl, mesh=None):
     c = self.config
     # The head writes up to D+2 real rows and D mask rows past the committed length.
     return KVCache.for_attention(1, batch, capacity + 2 * c.draft_length + 2,
-                                 c.num_kv_heads, c.head_dim, dtype, attn_impl)
+                                 c.num_kv_heads, c.head_dim, dtype, attn_impl, mesh=mesh)
 
   def _draft(self, target_model, draft_params, taps, next_tokens, num_real, cache, advance,
              attend_len, attn_impl):

@@ -91,12 +91,12 @@ class DARTreeProposer:
                        f"{capacity} rows after a {prompt_len}-token prompt; raise "
                        "max_length or use a smaller budget")
 
-  def new_draft_cache(self, batch, capacity, dtype, attn_impl):
+  def new_draft_cache(self, batch, capacity, dtype, attn_impl, mesh=None):
     c = self.config
     # Context rows (up to D+1 per round) and the block's B scratch rows go past
     # the committed length.
     return KVCache.for_attention(c.num_layers, batch, capacity + 2 * c.block_size,
-                                 c.num_kv_heads, c.head_dim, dtype, attn_impl)
+                                 c.num_kv_heads, c.head_dim, dtype, attn_impl, mesh=mesh)
 
   def _draft(self, target_model, draft_params, taps, advance, root, cache, attend_len,
              attn_impl) -> DARTreeDraft:

@@ -73,8 +73,10 @@ class Proposer(Protocol):
   def check_fits(self, capacity: int, prompt_len: int) -> None:
     """Raises ``InputError`` when a cache of ``capacity`` rows cannot hold it."""
 
-  def new_draft_cache(self, batch: int, capacity: int, dtype, attn_impl: str) -> Any:
-    """The proposer's cache(s) for ``batch`` sequences (host side)."""
+  def new_draft_cache(self, batch: int, capacity: int, dtype, attn_impl: str,
+                      mesh: jax.sharding.Mesh | None = None) -> Any:
+    """The proposer's cache(s) for ``batch`` sequences, on ``mesh`` (the
+    target's) when given: rows over "data", the drafter's heads replicated."""
 
   def start(self, target_model, draft_params, draft_cache, taps: jax.Array,
             tokens: jax.Array, prompt_lens: jax.Array, first: jax.Array,
@@ -186,7 +188,7 @@ class SpeculativeDecoder:
     batch = tokens.shape[0]
     first, state = speculative_prefill(
         t.graphdef, t.params, self.draft_params, t.new_cache(batch, capacity),
-        p.new_draft_cache(batch, capacity, t.dtype, t.attn_impl), tokens, prompt_lens,
+        p.new_draft_cache(batch, capacity, t.dtype, t.attn_impl, t.mesh), tokens, prompt_lens,
         self.keys.next(), proposer=p, sampling=self.sampling, attn_impl=t.attn_impl)
     return state, first
 

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dart_jax import sharding as sharding_lib
 from dart_jax.draft.dart_head import DartConfig, DartHead, DartHeadModule, load_dart, save_dart
 from dart_jax.draft.correction import (CorrectionHead, add_correction_params,
                                        correction_head_of)
@@ -239,4 +240,5 @@ def load_dart_gru(path: str | os.PathLike, target=None, *, dtype=None) -> DartGr
       lambda: CorrectionModule(config, rngs=nnx.Rngs(0),
                                precision=precision_lib.of_drafter(dtype, target)), tensors,
       released_name, source=str(weights_path), what="DART-GRU correction")
-  return DartGruDrafter.from_modules(config, head.module(), nnx.merge(graphdef, params))
+  drafter = DartGruDrafter.from_modules(config, head.module(), nnx.merge(graphdef, params))
+  return sharding_lib.drafter_on_mesh(drafter, target)

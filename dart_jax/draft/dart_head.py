@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dart_jax import sharding as sharding_lib
 from dart_jax.errors import ConfigError
 from dart_jax.models import checkpoint, layers
 from dart_jax.models import precision as precision_lib
@@ -280,7 +281,7 @@ class DartHead:
     head = cls(config, graphdef, params)
     if config.draft_vocab_size < config.vocab_size:
       head = head.with_draft_vocab(np.arange(config.draft_vocab_size))
-    return head
+    return sharding_lib.drafter_on_mesh(head, target)
 
   def module(self) -> DartHeadModule:
     return nnx.merge(self.graphdef, self.params)
@@ -373,6 +374,5 @@ def load_dart(path: str | os.PathLike | None = None, target=None, *, dtype=None
   if target is not None:
     head.check_target(target)
   if shipped:
-
     head = dataclasses.replace(head, tree=TreeConfig(**embedded_tree_config()))
-  return head
+  return sharding_lib.drafter_on_mesh(head, target)

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dart_jax import sharding as sharding_lib
 from dart_jax.draft.correction import (CorrectionHead, add_correction_params,
                                        correction_head_of)
 from dart_jax.errors import ConfigError
@@ -516,7 +517,7 @@ class DFlashDrafter:
     module = DFlashModule(config, rngs=nnx.Rngs(seed),
                           precision=target.precision.for_drafter())
     graphdef, params = nnx.split(module)
-    return cls(config, graphdef, params)
+    return sharding_lib.drafter_on_mesh(cls(config, graphdef, params), target)
 
   @property
   def domino(self) -> bool:
@@ -569,7 +570,7 @@ def load_dflash(path: str | os.PathLike, target, *, dtype=None) -> DFlashDrafter
   config = DFlashConfig.from_hf(hf, target.config, source=path)
   drafter = _from_tensors(config, tensors, precision_lib.of_drafter(dtype, target), path)
   drafter.check_target(target)
-  return drafter
+  return sharding_lib.drafter_on_mesh(drafter, target)
 
 
 def load_domino(path: str | os.PathLike, target, *, dtype=None) -> DFlashDrafter:

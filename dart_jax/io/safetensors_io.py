@@ -118,6 +118,51 @@ def read_safetensors_file(path: pathlib.Path, dtype: np.dtype | None
   return tensors
 
 
+class LazyTensor:
+  """One tensor of a ``.safetensors`` file, read slice by slice on demand.
+
+  ``tensor[index]`` reads only that slice (memory-mapped), cast like
+  ``read_safetensors_file``; ``np.asarray(tensor)`` reads it all. Sharded
+  loading hands each device its slice this way, so no host or device holds
+  the whole model at once.
+  """
+
+  def __init__(self, path: pathlib.Path, name: str, shape: tuple[int, ...], dtype: Any):
+    self.path, self.name, self.shape, self.dtype = path, name, tuple(shape), dtype
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  def __getitem__(self, index) -> np.ndarray:
+    import safetensors
+
+    try:
+      with safetensors.safe_open(str(self.path), framework="numpy") as f:
+        piece = f.get_slice(self.name)[index]
+    except Exception as e:
+      raise CheckpointError(f"cannot read tensor {self.name!r} of {self.path}: {e} (the "
+                            "file is corrupt or truncated)") from e
+    return _cast(np.asarray(piece), self.dtype)
+
+  def __array__(self, dtype=None, copy=None) -> np.ndarray:
+    array = self[tuple(slice(None) for _ in self.shape)]
+    return array if dtype is None else array.astype(dtype)
+
+
+def lazy_safetensors_file(path: pathlib.Path, dtype: Any) -> dict[str, LazyTensor]:
+  """The tensors of one ``.safetensors`` file as ``LazyTensor`` (header only)."""
+  import safetensors
+
+  try:
+    with safetensors.safe_open(str(path), framework="numpy") as f:
+      return {name: LazyTensor(path, name, tuple(f.get_slice(name).get_shape()), dtype)
+              for name in f.keys()}
+  except Exception as e:
+    raise CheckpointError(f"cannot read safetensors file {path}: {e} (the file is "
+                          "corrupt or truncated; download or convert it again)") from e
+
+
 def _shard_files(directory: pathlib.Path) -> tuple[list[pathlib.Path], set[str] | None]:
   """Safetensors files to read, and the tensor names the index promises."""
   index_path = directory / INDEX_NAME
@@ -145,8 +190,8 @@ def _shard_files(directory: pathlib.Path) -> tuple[list[pathlib.Path], set[str] 
   return files, None
 
 
-def read_safetensors_dir(path: str | os.PathLike, dtype: Any = np.float32
-                         ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def read_safetensors_dir(path: str | os.PathLike, dtype: Any = np.float32, *,
+                         lazy: bool = False) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
   """Reads a HF checkpoint directory.
 
   Args:
@@ -154,6 +199,8 @@ def read_safetensors_dir(path: str | os.PathLike, dtype: Any = np.float32
       ``*.safetensors`` files with ``model.safetensors.index.json``.
     dtype: floating tensors are cast to this (default float32); None keeps the
       stored dtype (bf16 then comes back as ``ml_dtypes.bfloat16``).
+    lazy: return ``LazyTensor`` objects that read slices on demand (sharded
+      loading) instead of numpy arrays.
 
   Returns:
     (hf_config, tensors): the ``config.json`` dictionary and numpy tensors by
@@ -169,7 +216,8 @@ def read_safetensors_dir(path: str | os.PathLike, dtype: Any = np.float32
   files, promised = _shard_files(directory)
   tensors: dict[str, np.ndarray] = {}
   for file in files:
-    for name, array in read_safetensors_file(file, dtype).items():
+    read = lazy_safetensors_file if lazy else read_safetensors_file
+    for name, array in read(file, dtype).items():
       if name in tensors:
         raise CheckpointError(f"tensor {name!r} appears in more than one shard "
                               f"(again in {file})")

@@ -8,8 +8,9 @@ layout, ``layers.Dense``) is [..., out, in] already.
 """
 
 import re
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -43,14 +44,26 @@ def _flip(array: np.ndarray) -> np.ndarray:
   return np.swapaxes(array, -1, -2) if array.ndim >= 2 else array
 
 
+def _sliced(tensor, index: tuple, flip: bool, dtype) -> np.ndarray:
+  """``tensor`` (stored layout) read at ``index`` of its model layout."""
+  if flip and len(index) >= 2:
+    index = index[:-2] + (index[-1], index[-2])
+    return np.asarray(_flip(np.asarray(tensor[index])), dtype=dtype)
+  return np.asarray(tensor[index], dtype=dtype)
+
+
 def state_from_tensors(make_module: Callable[[], nnx.Module],
                        tensors: Mapping[str, np.ndarray], name_of: Callable[[str], str],
-                       *, source: str, what: str):
+                       *, source: str, what: str,
+                       sharding_of: Callable[[str, tuple], Any] | None = None):
   """Builds (graphdef, state) of ``make_module()`` from checkpoint tensors.
 
   The module is only traced (``nnx.eval_shape``), never initialised. Leaves keep
-  the dtype the module declares. Raises CheckpointError naming ``source`` for
-  missing tensors and shape mismatches; ``what`` describes the expected model.
+  the dtype the module declares. With ``sharding_of(path, shape) ->
+  NamedSharding`` each leaf is built shard by shard from slices of its tensor
+  (numpy arrays or ``dart_jax.io.LazyTensor``), so no device receives a whole
+  tensor it does not keep. Raises CheckpointError naming ``source`` for missing
+  tensors and shape mismatches; ``what`` describes the expected model.
   """
   graphdef, abstract = nnx.split(nnx.eval_shape(make_module))
   leaves, missing = [], []
@@ -60,17 +73,26 @@ def state_from_tensors(make_module: Callable[[], nnx.Module],
     if name not in tensors:
       missing.append(name)
       continue
-    array = np.asarray(tensors[name])
-    if _is_kernel(key):
-      array = _flip(array)
-    if array.shape != tuple(var.shape):
-      shown = _flip(array).shape if _is_kernel(key) else array.shape
+    tensor = tensors[name]
+    if sharding_of is None:
+      tensor = np.asarray(tensor)
+    flip = _is_kernel(key) and len(tensor.shape) >= 2
+    shape = tuple(tensor.shape[:-2]) + tuple(tensor.shape[-2:][::-1]) if flip else tuple(
+        tensor.shape)
+    if shape != tuple(var.shape):
       want = tuple(var.shape)
       if _is_kernel(key):
         want = want[:-2] + want[-2:][::-1]
-      raise CheckpointError(f"{source}: tensor {name} has shape {shown}, but the config "
-                            f"expects {want}; config.json and the weights disagree")
-    leaves.append((path, var.replace(jnp.asarray(array, dtype=var.dtype))))
+      raise CheckpointError(f"{source}: tensor {name} has shape {tuple(tensor.shape)}, but "
+                            f"the config expects {want}; config.json and the weights "
+                            "disagree")
+    if sharding_of is None:
+      value = jnp.asarray(_flip(tensor) if flip else tensor, dtype=var.dtype)
+    else:
+      value = jax.make_array_from_callback(
+          shape, sharding_of(key, shape),
+          lambda index, t=tensor, f=flip, d=var.dtype: _sliced(t, index, f, d))
+    leaves.append((path, var.replace(value)))
   if missing:
     raise CheckpointError(f"{source}: missing {len(missing)} tensor(s), e.g. "
                           f"{missing[:3]}; is this a {what} matching its config.json?")

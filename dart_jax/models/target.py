@@ -10,6 +10,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from dart_jax import sharding as sharding_lib
 from dart_jax.errors import CheckpointError
 from dart_jax.models import checkpoint, moe
 from dart_jax.models import precision as precision_lib
@@ -34,6 +35,8 @@ class Target:
       (``dart_jax.models.precision``); ``dtype`` is its compute / cache dtype.
     attn_impl: tree_attention implementation used by every call.
     source: where the weights came from (for messages).
+    mesh: the device mesh the parameters are sharded over (``shard``), or None
+      on one device. Caches and prompt batches follow it.
   """
 
   config: ModelConfig
@@ -43,6 +46,7 @@ class Target:
   precision: Precision = precision_lib.FLOAT32
   attn_impl: str = "auto"
   source: str = ""
+  mesh: Any = None
 
   @classmethod
   def init(cls, config: ModelConfig, *, seed: int = 0, dtype=None, tokenizer=None,
@@ -67,10 +71,27 @@ class Target:
     return nnx.merge(self.graphdef, self.params)
 
   def new_cache(self, batch: int, capacity: int) -> KVCache:
+    """An empty KV cache in the layout this target's attention reads; on the
+    target's mesh, sharded like its attention."""
     c = self.config
-    """An empty KV cache in the layout this target's attention reads."""
+    split_heads = (self.mesh is not None and
+                   sharding_lib.attention_splits(c.num_heads, c.num_kv_heads, self.mesh))
     return KVCache.for_attention(c.num_layers, batch, capacity, c.num_kv_heads,
-                                 c.head_dim, self.dtype, self.attn_impl)
+                                 c.head_dim, self.dtype, self.attn_impl, mesh=self.mesh,
+                                 split_heads=split_heads)
+
+  def shard(self, mesh: jax.sharding.Mesh) -> "Target":
+    """This target with its parameters sharded over ``mesh`` (``dart_jax.sharding``:
+    heads, MLP and vocabulary over "tensor", norms replicated)."""
+    mesh = sharding_lib.auto_mesh(mesh)
+    params = sharding_lib.place_params(
+        self.params, mesh, what=f"{self.config.arch} target", num_heads=self.config.num_heads,
+        num_kv_heads=self.config.num_kv_heads)
+    return dataclasses.replace(self, params=params, mesh=mesh)
+
+  def place_batch(self, x) -> jax.Array:
+    """A host array [B, ...] on the target's devices (rows over "data")."""
+    return sharding_lib.place_batch(x, self.mesh)
 
   def forward(self, tokens, positions, cache, tree_mask, *, attend_len=None,
               taps=(), logit_rows=None) -> ModelOutput:
@@ -110,21 +131,31 @@ hf_name = checkpoint.renamer((
 
 
 def params_from_hf(config: ModelConfig, tensors: Mapping[str, np.ndarray], precision,
-                   source: str = "") -> tuple[Any, Any]:
+                   source: str = "", mesh: jax.sharding.Mesh | None = None
+                   ) -> tuple[Any, Any]:
   """Builds (graphdef, params) from HF-named tensors ([out, in] linear weights).
 
   precision: a ``Precision`` or anything ``precision.resolve`` takes. MoE experts
-  may come per expert or fused (``moe.stack_expert_tensors``).
+  may come per expert or fused (``moe.stack_expert_tensors``). mesh: build the
+  parameters sharded over it (``dart_jax.sharding``), slice by slice.
   """
   if config.sparse_layers:
     tensors = moe.stack_expert_tensors(config, tensors, source=source)
-  return checkpoint.state_from_tensors(
+  placement = None
+  if mesh is not None:
+    placement = sharding_lib.Placement(mesh, what=f"{config.arch} target",
+                                       num_heads=config.num_heads,
+                                       num_kv_heads=config.num_kv_heads)
+  graphdef, params = checkpoint.state_from_tensors(
       lambda: Transformer(config, rngs=nnx.Rngs(0), precision=precision), tensors, hf_name,
-      source=source, what=f"{config.arch} checkpoint")
+      source=source, what=f"{config.arch} checkpoint", sharding_of=placement)
+  if placement is not None:
+    placement.report()
+  return graphdef, params
 
 
 def load_target(path: str | os.PathLike | None = None, *, dtype=None,
-                attn_impl: str = "auto") -> Target:
+                attn_impl: str = "auto", mesh: jax.sharding.Mesh | None = None) -> Target:
   """Loads a target model.
 
   Args:
@@ -136,9 +167,16 @@ def load_target(path: str | os.PathLike | None = None, *, dtype=None,
       mode). Default ``fast`` on CPU (bf16 weights, float32-accurate
       activations), ``bfloat16`` on TPU/GPU.
     attn_impl: tree_attention implementation ("auto" picks the kernel per backend).
+    mesh: a device mesh with a "tensor" axis (and optionally "data"): the
+      parameters are built sharded over it (``dart_jax.sharding``), each device
+      receiving only its slices, read from safetensors files slice by slice;
+      ``generate`` then runs sharded. GGUF files and MoE experts are read whole
+      on the host first.
   Returns:
     A ``Target``.
   """
+  if mesh is not None:
+    mesh = sharding_lib.auto_mesh(mesh)
   precision = precision_lib.resolve(dtype)
   if path is None:
     path = dio.ensure_embedded_converted()
@@ -152,13 +190,14 @@ def load_target(path: str | os.PathLike | None = None, *, dtype=None,
                             "directory or a .gguf file")
     hf_config, tensors, tokenizer = dio.read_gguf(path)
   else:
-    hf_config, tensors = dio.read_safetensors_dir(path)
+    hf_config, tensors = dio.read_safetensors_dir(path, lazy=mesh is not None)
     tokenizer = None
     if os.path.exists(os.path.join(path, "tokenizer.json")):
       tokenizer = dio.Tokenizer.from_dir(path)
   config = config_from_hf(hf_config)
   if tokenizer is not None and not config.eos_token_ids and tokenizer.eos_token_ids:
     config = dataclasses.replace(config, eos_token_ids=tuple(tokenizer.eos_token_ids))
-  graphdef, params = params_from_hf(config, tensors, precision, source=path)
-  log.info("loaded %s target from %s (%s)", config.arch, path, precision.name)
-  return Target(config, graphdef, params, tokenizer, precision, attn_impl, path)
+  graphdef, params = params_from_hf(config, tensors, precision, source=path, mesh=mesh)
+  log.info("loaded %s target from %s (%s%s)", config.arch, path, precision.name,
+           f", mesh {dict(mesh.shape)}" if mesh is not None else "")
+  return Target(config, graphdef, params, tokenizer, precision, attn_impl, path, mesh)

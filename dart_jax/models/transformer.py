@@ -10,13 +10,16 @@ entries become committed (all for prefill/decode, the accepted path for trees,
 see ``KVCache.compact``).
 """
 
+import functools
 from typing import Any, NamedTuple
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from dart_jax import sharding as sharding_lib
 from dart_jax.models import layers
 from dart_jax.models import precision as precision_lib
 from dart_jax.models.config import ModelConfig, rope_inv_freq
@@ -38,31 +41,56 @@ class KVCache:
     which one an implementation reads).
   lengths: [B] int32, committed entries per sequence.
   layout: ``TOKEN_MAJOR`` ("bshd") or ``HEAD_MAJOR`` ("bhsd"), static.
+  sharding: on a mesh, the buffers' ``NamedSharding`` (batch over "data",
+    key/value heads over "tensor"; ``dart_jax.sharding.cache_spec``), static;
+    every call that writes the cache keeps it. None on one device.
   """
 
   k: tuple[jax.Array, ...]
   v: tuple[jax.Array, ...]
   lengths: jax.Array
   layout: str = flax.struct.field(pytree_node=False, default=TOKEN_MAJOR)
+  sharding: Any = flax.struct.field(pytree_node=False, default=None)
 
   @classmethod
   def create(cls, num_layers: int, batch: int, capacity: int, num_kv_heads: int,
-             head_dim: int, dtype=jnp.float32, *, layout: str | None = None
+             head_dim: int, dtype=jnp.float32, *, layout: str | None = None,
+             mesh: jax.sharding.Mesh | None = None, split_heads: bool = False
              ) -> "KVCache":
     """An empty cache; ``layout`` defaults to what ``attn_impl="auto"`` reads on
-    this backend."""
+    this backend. With ``mesh`` the buffers are made sharded (batch over "data",
+    key/value heads over "tensor" if ``split_heads``)."""
     layout = cache_layout_for("auto") if layout is None else layout
     shape = attention_common.buffer_shape(layout, batch, capacity, num_kv_heads, head_dim)
-    return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-               v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-               lengths=jnp.zeros((batch,), jnp.int32), layout=layout)
+    sharding = lengths_sharding = None
+    if mesh is not None:
+      head_axis = 2 if layout == TOKEN_MAJOR else 1
+      sharding = NamedSharding(mesh, sharding_lib.cache_spec(mesh, shape, head_axis,
+                                                             split_heads))
+      lengths_sharding = NamedSharding(mesh, sharding_lib.batch_spec(mesh, batch, 1))
+    buffers = lambda: tuple(sharding_lib.zeros(shape, dtype, sharding)
+                            for _ in range(num_layers))
+    return cls(k=buffers(), v=buffers(),
+               lengths=sharding_lib.zeros((batch,), jnp.int32, lengths_sharding),
+               layout=layout, sharding=sharding)
 
   @classmethod
   def for_attention(cls, num_layers: int, batch: int, capacity: int, num_kv_heads: int,
-                    head_dim: int, dtype, attn_impl: str) -> "KVCache":
+                    head_dim: int, dtype, attn_impl: str, *,
+                    mesh: jax.sharding.Mesh | None = None, split_heads: bool = False
+                    ) -> "KVCache":
     """An empty cache in the layout ``attn_impl`` (":interpret" allowed) reads."""
     return cls.create(num_layers, batch, capacity, num_kv_heads, head_dim, dtype,
-                      layout=cache_layout_for(attn_impl.partition(":")[0]))
+                      layout=cache_layout_for(attn_impl.partition(":")[0]), mesh=mesh,
+                      split_heads=split_heads)
+
+  def constrained(self) -> "KVCache":
+    """The cache with its buffers pinned to ``sharding`` (inside jit), so the
+    output of a call lives where its input did; a no-op on one device."""
+    if self.sharding is None:
+      return self
+    pin = lambda b: jax.lax.with_sharding_constraint(b, self.sharding)
+    return self.replace(k=tuple(map(pin, self.k)), v=tuple(map(pin, self.v)))
 
   @property
   def capacity(self) -> int:
@@ -85,7 +113,7 @@ class KVCache:
       return write_kv(buf, read_kv(buf, src, self.layout), self.lengths, self.layout)
 
     return self.replace(k=tuple(move(b) for b in self.k), v=tuple(move(b) for b in self.v),
-                        lengths=self.lengths + accepted_len.astype(jnp.int32))
+                        lengths=self.lengths + accepted_len.astype(jnp.int32)).constrained()
 
 
 def write_kv(buf: jax.Array, rows: jax.Array, start: jax.Array, layout: str) -> jax.Array:
@@ -105,6 +133,27 @@ def cache_prefix(buf: jax.Array, length: int, layout: str) -> jax.Array:
   index = [slice(None)] * buf.ndim
   index[attention_common.seq_axis(layout)] = slice(0, length)
   return buf[tuple(index)]
+
+
+def per_shard(attention, sharding: NamedSharding):
+  """``attention`` (``tree_attention`` with its options bound) run on each
+  device's rows and heads of a cache sharded as ``sharding`` (token-major
+  [B, S, Hkv, hd]).
+
+  XLA cannot split a Pallas kernel; ``shard_map`` hands each device its slice
+  instead: rows over "data", query and key/value heads over "tensor" when the
+  cache splits them. Each head's attention is independent, so the result is
+  the unsharded one.
+  """
+  spec = sharding.spec
+  rows = spec[0] if len(spec) > 0 else None
+  heads = spec[2] if len(spec) > 2 else None
+  q_spec = P(rows, None, heads, None)
+  kv_spec = P(rows, None, heads, None)
+  return jax.shard_map(
+      attention, mesh=sharding.mesh,
+      in_specs=(q_spec, kv_spec, kv_spec, P(rows), kv_spec, kv_spec, P(rows, None, None)),
+      out_specs=q_spec, check_vma=False)
 
 
 class ModelOutput(NamedTuple):
@@ -135,12 +184,13 @@ class Attention(nnx.Module):
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
 
   def __call__(self, x, cos, sin, k_cache, v_cache, lengths, tree_mask, attend_len,
-               attn_impl, cache_layout=TOKEN_MAJOR):
+               attn_impl, cache_layout=TOKEN_MAJOR, sharding=None):
     """x: [B, T, in]; caches in ``cache_layout`` (see ``KVCache``) ->
     (out [B, T, out], k_cache, v_cache).
 
     The T new tokens see ``cache[:lengths]`` and the new tokens ``tree_mask``
-    allows; their K/V are then written at ``lengths``.
+    allows; their K/V are then written at ``lengths``. ``sharding``: the
+    cache's (``KVCache.sharding``); a Pallas kernel then runs per shard.
     """
     b, t, _ = x.shape
     q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
@@ -169,9 +219,12 @@ class Attention(nnx.Module):
       v_cache_read = cache_prefix(v_cache, attend_len, layout)
     else:
       k_cache_read, v_cache_read = k_cache, v_cache
-    out = tree_attention(q, k_cache_read, v_cache_read, lengths, k.astype(k_cache.dtype),
-                         v.astype(v_cache.dtype), tree_mask, impl=impl,
-                         interpret=mode == "interpret", cache_layout=layout)
+    attention = functools.partial(tree_attention, impl=impl, interpret=mode == "interpret",
+                                  cache_layout=layout)
+    if sharding is not None and resolve_impl(impl) != "xla":
+      attention = per_shard(attention, sharding)
+    out = attention(q, k_cache_read, v_cache_read, lengths, k.astype(k_cache.dtype),
+                    v.astype(v_cache.dtype), tree_mask)
     return self.o_proj(out.reshape(b, t, -1)), k_cache, v_cache
 
 
@@ -198,10 +251,10 @@ class Block(nnx.Module):
                                precision=precision)
 
   def __call__(self, x, cos, sin, k_cache, v_cache, lengths, tree_mask, attend_len,
-               attn_impl, cache_layout=TOKEN_MAJOR):
+               attn_impl, cache_layout=TOKEN_MAJOR, sharding=None):
     attn, k_cache, v_cache = self.self_attn(
         self.input_layernorm(x), cos, sin, k_cache, v_cache, lengths, tree_mask,
-        attend_len, attn_impl, cache_layout)
+        attend_len, attn_impl, cache_layout, sharding)
     x = x + attn
     x = x + self.mlp(self.post_attention_layernorm(x))
     return x, k_cache, v_cache
@@ -296,7 +349,7 @@ class Transformer(nnx.Module):
         x, k, v = block(x, cos, sin, None, None, None, tree_mask, None, attn_impl)
       else:
         x, k, v = block(x, cos, sin, cache.k[i], cache.v[i], cache.lengths, tree_mask,
-                        attend_len, attn_impl, cache.layout)
+                        attend_len, attn_impl, cache.layout, cache.sharding)
       new_k.append(k)
       new_v.append(v)
       hidden_states.append(x)
@@ -306,7 +359,7 @@ class Transformer(nnx.Module):
       x = layers.gather_rows(x, logit_rows)
     logits = self.logits(x) if x.shape[1] else None
     if cache is not None:
-      cache = cache.replace(k=tuple(new_k), v=tuple(new_v))
+      cache = cache.replace(k=tuple(new_k), v=tuple(new_v)).constrained()
     return ModelOutput(logits=logits, cache=cache, taps=tap_out)
 
 

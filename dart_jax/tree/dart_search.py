@@ -49,20 +49,26 @@ from dart_jax.tree.structure import Tree, build_tree
 _TOPK_CHUNK = 128
 
 
+def _barrier(outputs: tuple) -> tuple:
+  return tuple(lax.optimization_barrier(x) for x in outputs)
+
+
 def exact_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   """`lax.top_k` over the last axis of [R, V], faster on CPU for large V.
 
   Rows are cut into chunks of 128; the top-k elements lie in the k chunks
   with the largest maxima (ties: lower chunk first), which are gathered in
   ascending chunk order and searched again. The result equals `lax.top_k`
-  exactly, ties (lower index first) included. The optimization barrier keeps
+  exactly, ties (lower index first) included. The optimization barriers keep
   XLA from rewriting the top-k into a full sort when it is fused with the
-  rest of the search.
+  rest of the search; they wrap each output alone, as XLA:CPU's top-k pass
+  fails on a barrier over the (values, index) pair once a mesh partitions the
+  program.
   """
   rows, vocab = x.shape
   chunks = -(-vocab // _TOPK_CHUNK)
   if chunks <= 2 * k:
-    values, index = lax.optimization_barrier(lax.top_k(x, k))
+    values, index = _barrier(lax.top_k(x, k))
     return values, index.astype(jnp.int32)
   padded = jnp.pad(x, ((0, 0), (0, chunks * _TOPK_CHUNK - vocab)),
                    constant_values=-jnp.inf)
@@ -71,7 +77,7 @@ def exact_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   best_chunks = jnp.sort(best_chunks, axis=-1)
   candidates = jnp.take_along_axis(blocks, best_chunks[:, :, None], axis=1)
   values, pos = lax.top_k(candidates.reshape(rows, k * _TOPK_CHUNK), k)
-  values, pos = lax.optimization_barrier((values, pos))
+  values, pos = _barrier((values, pos))
   chunk = jnp.take_along_axis(best_chunks, pos // _TOPK_CHUNK, axis=1)
   return values, (chunk * _TOPK_CHUNK + pos % _TOPK_CHUNK).astype(jnp.int32)
 

@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 
+from dart_jax import sharding as model_sharding
 from train import sharding
 from tests import helpers
 
@@ -79,17 +80,17 @@ print("RESULT " + json.dumps(out))
 def test_spec_rules_replicate_dimensions_the_mesh_does_not_divide():
   import jax
   mesh = jax.sharding.AbstractMesh((2, 4, 1), sharding.AXES)
-  assert sharding.spec_for("midlayer/self_attn/q_proj/kernel", (128, 64), mesh) == \
+  assert model_sharding.spec_for("midlayer/self_attn/q_proj/kernel", (128, 64), mesh) == \
       jax.sharding.PartitionSpec("fsdp", None)
-  assert sharding.spec_for("lm_head/kernel", (64, 250), mesh) == \
+  assert model_sharding.spec_for("lm_head/kernel", (64, 250), mesh) == \
       jax.sharding.PartitionSpec("fsdp", None)  # 250 % 1: tensor axis is size 1
-  assert sharding.spec_for("embed_tokens/embedding", (322, 64), mesh) == \
+  assert model_sharding.spec_for("embed_tokens/embedding", (322, 64), mesh) == \
       jax.sharding.PartitionSpec(None, "fsdp")
-  assert sharding.spec_for("norm/scale", (64,), mesh) == jax.sharding.PartitionSpec()
+  assert model_sharding.spec_for("norm/scale", (64,), mesh) == jax.sharding.PartitionSpec()
   # The fast modes' [out, in] weights shard the same dimensions, transposed.
-  assert sharding.spec_for("layers/0/mlp/up_proj/weight", (64, 128), mesh) == \
+  assert model_sharding.spec_for("layers/0/mlp/up_proj/weight", (64, 128), mesh) == \
       jax.sharding.PartitionSpec(None, "fsdp")
-  assert sharding.spec_for("layers/0/mlp/down_proj/weight", (128, 64), mesh) == \
+  assert model_sharding.spec_for("layers/0/mlp/down_proj/weight", (128, 64), mesh) == \
       jax.sharding.PartitionSpec("fsdp", None)
 
 
@@ -140,17 +141,17 @@ def test_distributed_initialize_only_where_it_belongs(monkeypatch):
   for name in ("JAX_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES", "SLURM_NTASKS",
                "OMPI_COMM_WORLD_SIZE"):
     monkeypatch.delenv(name, raising=False)
-  assert sharding.maybe_initialize_distributed("off") is False and not calls
-  assert sharding.maybe_initialize_distributed("auto") is False and len(calls) == 1
+  assert model_sharding.maybe_initialize_distributed("off") is False and not calls
+  assert model_sharding.maybe_initialize_distributed("auto") is False and len(calls) == 1
   def too_late():
     raise RuntimeError("jax.distributed.initialize() must be called before any JAX "
                        "computations are executed.")
 
   monkeypatch.setattr(jax.distributed, "initialize", too_late)
-  assert sharding.maybe_initialize_distributed("auto") is False  # e.g. in a notebook
+  assert model_sharding.maybe_initialize_distributed("auto") is False  # e.g. in a notebook
   with pytest.raises(RuntimeError):
-    sharding.maybe_initialize_distributed("on")
+    model_sharding.maybe_initialize_distributed("on")
   monkeypatch.setattr(jax.distributed, "initialize", fake_initialize)
   monkeypatch.setenv("SLURM_NTASKS", "4")  # several hosts: the error must surface
   with pytest.raises(ValueError):
-    sharding.maybe_initialize_distributed("auto")
+    model_sharding.maybe_initialize_distributed("auto")
