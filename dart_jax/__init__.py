@@ -9,7 +9,7 @@
     head = dj.load_dart("/path/to/dart_dir", target)   # any reference-format head
 """
 
-from dart_jax import ngram, tree
+from dart_jax import ngram, sharding, tree
 from dart_jax.decode.methods import DART, DARTree, DartGru
 from dart_jax.draft.dart_gru import DartGruDrafter, load_dart_gru, save_dart_gru
 from dart_jax.draft.dart_head import DartConfig, DartHead, load_dart, save_dart
@@ -26,5 +26,5 @@ __all__ = [
     "DartHead", "DartJaxError", "GenerateOutput", "GenerateStats", "InputError",
     "ModelConfig", "Precision", "Target", "generate", "generate_stream", "load_dart",
     "load_dart_gru", "load_dflash", "load_domino", "load_ngram", "load_target", "ngram",
-    "precision", "save_dart", "save_dart_gru", "save_dflash", "tree",
+    "precision", "save_dart", "save_dart_gru", "save_dflash", "sharding", "tree",
 ]

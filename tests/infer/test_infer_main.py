@@ -32,7 +32,7 @@ def test_cli_help_documents_options(capsys):
     cli.main(["--help"])
   text = capsys.readouterr().out
   for flag in ("--model", "--draft", "--ngram", "--temperature", "--top-p", "--top-k",
-               "--method", "--dflash", "--domino", "--drafter", "--dartree-budget"):
+               "--method", "--dflash", "--domino", "--drafter", "--dartree-budget", "--mesh"):
     assert flag in text
 
 
@@ -96,3 +96,16 @@ def test_cli_unknown_method_lists_the_valid_ones(capsys):
   for name in ("ar", "dart", "dflash-chain", "domino-chain", "ddtree", "dartree-fixed",
                "dartree"):
     assert f"'{name}'" in err
+
+
+def test_cli_mesh_runs_on_a_one_device_mesh_and_rejects_a_larger_one(capsys):
+  import jax
+
+  assert cli.main(["--prompt", "Hello there", "--model", TINY, "--max-new-tokens", "8",
+                   "--mesh", "data=1,tensor=1"]) == 0
+  want = dj.generate(dj.load_target(TINY), "Hello there", max_new_tokens=8).text
+  assert capsys.readouterr().out == want + "\n"
+  too_many = jax.device_count() + 1
+  assert cli.main(["--prompt", "Hi", "--model", TINY, "--mesh", f"tensor={too_many}"]) == 2
+  err = capsys.readouterr().err
+  assert f"needs {too_many} devices" in err, err
