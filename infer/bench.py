@@ -574,6 +574,7 @@ def run_benchmark(args, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
   config["dartree_budget"] = dartree_budget  # parsed: an int, "auto" or None
   config["methods_run"] = list(runners)
   config["precision"] = target.precision.name  # "auto" resolved
+  config["mesh"] = dict(mesh.shape) if mesh is not None else None
   return {"config": config, "environment": _environment(), "tree": tree_info,
           "dartree": dartree_info, "dart_gru": dart_gru_info, "skipped": skipped,
           "runs": runs,

@@ -133,6 +133,15 @@ for name, trained in __FIXTURES__:
         "norm": max(f for n, f in reads if "layernorm" in n),
         "same_as_shard": all(np.array_equal(a, b) and a.sharding == b.sharding
                              for a, b in pairs)}
+    # A MoE target: each expert's matrices split over 'tensor'.
+    moe_path = str(helpers.FIXTURES / "tiny_qwen3_moe")
+    moe_ref = dj.generate(dj.load_target(moe_path), prompts, max_new_tokens=NEW, chat=False)
+    moe = dj.load_target(moe_path, mesh=sharding.parse_mesh("data=4,tensor=2"))
+    experts = moe.params["layers"][0]["mlp"]["experts"]["up_proj"]
+    report["moe:4x2"] = {
+        "same": dj.generate(moe, prompts, max_new_tokens=NEW, chat=False).tokens
+                == moe_ref.tokens,
+        "expert_spec": str(jax.tree.leaves(experts)[0].sharding.spec)}
     # The Pallas GPU kernel (interpreted) per shard under shard_map.
     kernel = dj.load_target(path, mesh=sharding.parse_mesh("data=4,tensor=2"),
                             attn_impl="pallas_gpu:interpret")
@@ -170,6 +179,11 @@ def test_loading_reads_slices_and_equals_sharding_a_loaded_target(report):
   streaming = report["streaming"]
   assert streaming["up_proj"] == 0.5 and streaming["norm"] == 1.0
   assert streaming["same_as_shard"]
+
+
+def test_moe_target_splits_each_expert_and_decodes_the_same(report):
+  moe = report["moe:4x2"]
+  assert moe["same"] and "tensor" in moe["expert_spec"], moe
 
 
 def test_pallas_kernel_runs_per_shard(report):

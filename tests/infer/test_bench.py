@@ -165,7 +165,7 @@ def test_cli_end_to_end_on_a_tiny_checkpoint(tmp_path, monkeypatch, capsys):
   args = ["--method", "ar,dart,dart-no-context,hf", "--dataset", "humaneval", "--limit", "1",
           "--max-new-tokens", str(MAX_NEW_TOKENS), "--model", str(FIXTURES / "tiny_llama"),
           "--draft", "random", "--draft-length", str(DRAFT_LENGTH),
-          "--tree-budget", str(TREE_BUDGET),
+          "--tree-budget", str(TREE_BUDGET), "--mesh", "data=1,tensor=1",
           "--json", str(out_json), "--no-progress"]
   if importlib.util.find_spec("matplotlib") is not None:
     args += ["--plot", str(tmp_path / "bench.png")]
@@ -176,6 +176,7 @@ def test_cli_end_to_end_on_a_tiny_checkpoint(tmp_path, monkeypatch, capsys):
   assert result["tree"] == {"source": "fixed", "budget": TREE_BUDGET, "topk": TREE_BUDGET,
                             "beam_width": TREE_BUDGET}
   assert result["config"]["methods_run"] == ["ar", "dart", "dart-no-context"]
+  assert result["config"]["mesh"] == {"data": 1, "tensor": 1}
   assert result["greedy_mismatches"] == []
   (run,) = result["runs"]
   assert (run["dataset"], run["temperature"]) == ("humaneval", 0.0)
