@@ -217,6 +217,21 @@ def auto_mesh(mesh: Any) -> jax.sharding.Mesh:
   return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
 
 
+def resolve_sizes(sizes: Sequence[int], num_devices: int, what: str) -> tuple[int, ...]:
+  """Mesh axis sizes with the one -1 (if any) set to the devices the others
+  leave; raises ConfigError for sizes below 1 or a -1 that does not divide."""
+  shape = list(sizes)
+  if shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
+    raise ConfigError(f"{what}: sizes must be positive (at most one may be -1), got "
+                      f"{tuple(shape)}")
+  known = int(np.prod([s for s in shape if s != -1]))
+  if -1 in shape:
+    if num_devices % known:
+      raise ConfigError(f"{what}: {num_devices} devices are not divisible by {known}")
+    shape[shape.index(-1)] = num_devices // known
+  return tuple(shape)
+
+
 def parse_mesh(text: str, devices: Sequence[Any] | None = None) -> jax.sharding.Mesh:
   """``"data=2,tensor=4"`` -> a (data, tensor) mesh; one size may be -1 (the rest).
 
@@ -233,14 +248,7 @@ def parse_mesh(text: str, devices: Sequence[Any] | None = None) -> jax.sharding.
     except ValueError:
       raise ConfigError(f"mesh {text!r}: {value!r} is not an integer") from None
   devices = list(jax.devices() if devices is None else devices)
-  shape = [sizes[DATA], sizes[TENSOR]]
-  if shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
-    raise ConfigError(f"mesh {text!r}: sizes must be positive (one may be -1)")
-  known = int(np.prod([s for s in shape if s != -1]))
-  if -1 in shape:
-    if len(devices) % known:
-      raise ConfigError(f"mesh {text!r}: {len(devices)} devices do not divide by {known}")
-    shape[shape.index(-1)] = len(devices) // known
+  shape = resolve_sizes((sizes[DATA], sizes[TENSOR]), len(devices), f"mesh {text!r}")
   if int(np.prod(shape)) > len(devices):
     raise ConfigError(f"mesh {text!r} needs {int(np.prod(shape))} devices; "
                       f"{len(devices)} are available")

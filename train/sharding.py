@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dart_jax.errors import ConfigError
-from dart_jax.sharding import DATA, FSDP, TENSOR
+from dart_jax.sharding import DATA, FSDP, TENSOR, resolve_sizes
 
 log = logging.getLogger(__name__)
 
@@ -29,14 +29,7 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1,
               devices: Sequence[Any] | None = None) -> jax.sharding.Mesh:
   """A (data, fsdp, tensor) mesh; one axis may be -1 (the remaining devices)."""
   devices = list(jax.devices() if devices is None else devices)
-  shape = [data, fsdp, tensor]
-  if shape.count(-1) > 1:
-    raise ConfigError(f"at most one mesh axis may be -1, got {shape}")
-  known = int(np.prod([s for s in shape if s != -1]))
-  if -1 in shape:
-    if len(devices) % known:
-      raise ConfigError(f"mesh {shape}: {len(devices)} devices are not divisible by {known}")
-    shape[shape.index(-1)] = len(devices) // known
+  shape = resolve_sizes((data, fsdp, tensor), len(devices), "mesh (data, fsdp, tensor)")
   if int(np.prod(shape)) != len(devices):
     raise ConfigError(f"mesh (data, fsdp, tensor) = {tuple(shape)} needs "
                       f"{int(np.prod(shape))} devices, {len(devices)} are available")
