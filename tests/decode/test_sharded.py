@@ -50,10 +50,10 @@ def methods(target, trained):
   domino = dj.DFlashDrafter.init(target, block_size=4, num_layers=1, domino=True, seed=4)
   return {"ar": None, "dart": dj.DART(head, None), "dartree": dj.DARTree(domino)}
 
-def outputs(target, prompts, trained):
+def outputs(target, prompts, trained, sampled=True):
   out = {}
   for name, method in methods(target, trained).items():
-    for temperature in (0.0, 1.0):
+    for temperature in (0.0, 1.0) if sampled else (0.0,):
       extra = {} if method is None else {"method": method}
       # Eight devices map eight copies of every program: stay under vm.max_map_count.
       profiling.free_compiled_code_near_map_limit(0.5)
@@ -109,10 +109,11 @@ for name, trained in __FIXTURES__:
     start = time.time()
     mesh = sharding.parse_mesh(f"data={data},tensor={tensor}")
     target = dj.load_target(path, mesh=mesh)
-    got = outputs(target, prompts, trained)
-    entry = {"same": {k: got[k] == ref[k] for k in ref}, "memory": memory(target),
+    # Sampling on the mesh with both axes (and SmolLM2's) keeps the run short.
+    got = outputs(target, prompts, trained, sampled=(data, tensor) == (4, 2) or not path)
+    entry = {"same": {k: got[k] == ref[k] for k in got}, "memory": memory(target),
              "log": list(records), "seconds": round(time.time() - start, 1)}
-    if (data, tensor) == (4, 2) or name == "smollm2":
+    if (data, tensor) == (4, 2) and name == "tiny_llama":
       entry.update(round_without_transfers(target, prompts))
     report[f"{name}:{data}x{tensor}"] = entry
   if name == "tiny_llama":
@@ -197,6 +198,8 @@ def test_sharded_outputs_equal_one_device(report, run):
   same = report[run]["same"]
   methods = {k.split("@")[0] for k in same}
   assert methods == ({"ar", "dart"} if run.startswith("smollm2") else {"ar", "dart", "dartree"})
+  if run.endswith("4x2") or run.startswith("smollm2"):  # sampled there too
+    assert {k for k in same if k.endswith("@1.0")} == {m + "@1.0" for m in methods}
   assert all(same.values()), same
 
 
@@ -220,10 +223,9 @@ def test_heads_that_do_not_split_replicate_attention_and_say_so(report):
   assert memory["cache_on_device"] == memory["cache_total"]
 
 
-@pytest.mark.parametrize("run", ["tiny_llama:4x2", "smollm2:1x3"])
-def test_a_round_compiles_once_and_moves_nothing_to_the_host(report, run):
-  assert report[run]["recompiles"] == []
-  assert report[run]["guard"] == "ok"
+def test_a_round_compiles_once_and_moves_nothing_to_the_host(report):
+  assert report["tiny_llama:4x2"]["recompiles"] == []
+  assert report["tiny_llama:4x2"]["guard"] == "ok"
 
 
 def test_bad_meshes_get_clear_errors():
