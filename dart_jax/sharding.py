@@ -179,8 +179,8 @@ def place_params(params: Any, mesh: jax.sharding.Mesh, *, what: str, rules=PARAM
   stays replicated."""
   placement = Placement(mesh, what=what, rules=rules, num_heads=num_heads,
                         num_kv_heads=num_kv_heads)
-  shardings = jax.tree_util.tree_map_with_path(
-      lambda path, leaf: placement(path_str(path), np.shape(leaf)), params)
+  shardings = param_shardings(params, placement.mesh, rules, placement.groups,
+                              placement.replicated)
   placement.report()
   return put(params, shardings)
 
