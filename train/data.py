@@ -4,6 +4,7 @@ Formats (one JSON object per line):
   ShareGPT:  {"conversations": [{"from": "human"|"gpt"|"system", "value": "..."}]}
   OpenAI:    {"messages": [{"role": "user"|"assistant"|"system", "content": "..."}]}
   plain:     {"text": "..."}   (every token is a training target)
+A file ending in ``.xz`` or ``.gz`` is read compressed (the bundled v2 data).
 
 Chats are rendered with the target's chat template and tokenized once; a
 token is a training target (``loss_mask``) when it belongs to an assistant
@@ -23,8 +24,10 @@ import argparse
 import collections
 import dataclasses
 import hashlib
+import gzip
 import json
 import logging
+import lzma
 import os
 import sys
 from typing import Any, Iterable, Iterator, Sequence
@@ -110,8 +113,16 @@ def read_jsonl(path: str, stats: DataStats) -> Iterator[tuple[int, Any]]:
   """Yields (line number, parsed record); malformed lines are counted in ``stats``."""
   if not os.path.isfile(path):
     raise InputError(f"data file not found: {path!r}")
-  with open(path, encoding="utf-8", errors="replace") as f:
-    for line_no, line in enumerate(f, 1):
+  with _open_text(path) as f:
+    lines = enumerate(f, 1)
+    while True:
+      try:
+        line_no, line = next(lines)
+      except StopIteration:
+        return
+      except (lzma.LZMAError, gzip.BadGzipFile, EOFError) as e:
+        raise InputError(f"{path!r} is not a complete compressed file ({e}); "
+                         "decompress it by hand to see how far it reads") from e
       if not line.strip():
         continue
       try:
@@ -120,6 +131,12 @@ def read_jsonl(path: str, stats: DataStats) -> Iterator[tuple[int, Any]]:
         _bad(stats, path, line_no)
         continue
       yield line_no, record
+
+
+def _open_text(path: str):
+  """Opens a (possibly ``.xz`` / ``.gz`` compressed) text file for reading."""
+  opener = {".xz": lzma.open, ".gz": gzip.open}.get(os.path.splitext(path)[1], open)
+  return opener(path, "rt", encoding="utf-8", errors="replace")
 
 
 def _bad(stats: DataStats, path: str, line_no: int) -> None:

@@ -48,6 +48,30 @@ def test_sample_data_is_bundled_small_and_in_both_formats():
   assert len(data_lib.read_records(SAMPLE_DATA, stats)) >= 300 and stats.malformed == 0
 
 
+@pytest.mark.parametrize("suffix", [".xz", ".gz"])
+def test_compressed_jsonl_reads_like_the_plain_file(tmp_path, suffix):
+  import gzip, lzma
+  opener = {".xz": lzma.open, ".gz": gzip.open}[suffix]
+  plain = _write(tmp_path / "plain.jsonl", [SHAREGPT, {"messages": CONV}, "not json"])
+  packed = tmp_path / f"packed.jsonl{suffix}"
+  with open(plain, "rb") as src, opener(packed, "wb") as dst:
+    dst.write(src.read())
+  plain_stats, packed_stats = data_lib.DataStats(), data_lib.DataStats()
+  assert (data_lib.read_records([str(packed)], packed_stats)
+          == data_lib.read_records([plain], plain_stats))
+  assert packed_stats.malformed == plain_stats.malformed == 1
+
+
+def test_a_truncated_compressed_file_is_a_clear_error(tmp_path):
+  import lzma
+  body = "".join(json.dumps({"messages": CONV}) + "\n" for _ in range(200)).encode()
+  blob = lzma.compress(body)
+  path = tmp_path / "cut.jsonl.xz"
+  path.write_bytes(blob[:len(blob) // 2])
+  with pytest.raises(InputError, match="not a complete compressed file"):
+    data_lib.read_records([str(path)], data_lib.DataStats())
+
+
 def test_sharegpt_and_openai_give_the_same_tokens_and_assistant_mask(tokenizer):
   openai = data_lib.record_to_messages({"messages": CONV})
   sharegpt = data_lib.record_to_messages(SHAREGPT)
