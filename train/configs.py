@@ -200,6 +200,8 @@ class TrainConfig:
   attn_impl: tree_attention implementation for training passes; "xla" is the
     differentiable one.
   export_dir: where the final head is written (default ``WORKDIR/export``).
+    The head with the best held-out ``accept_len`` so far is also exported, to
+    ``WORKDIR/best`` (``WORKDIR/best.json`` says its step and score).
   distributed: "auto" tries ``jax.distributed.initialize()`` and takes the
     ValueError of a single host as "single host"; "on" / "off" force it.
   """

@@ -10,7 +10,9 @@ State (a pytree, checkpointed whole): the drafter's trainable parameters and
 head, whole, is the buffers), the Optax state, the step
 and the RNG key (anchor sampling). The data iterator's state is saved next to
 it as JSON, so a restarted run continues with exactly the batches and anchors
-it would have seen. The target is frozen: its parameters are an argument of the step, never
+it would have seen. After each evaluation the head with the best held-out
+estimated acceptance so far is exported to ``WORKDIR/best`` (``best.json``
+records its step and score, and survives a resume). The target is frozen: its parameters are an argument of the step, never
 differentiated and never saved. With ``data.target_features=cached`` (DART,
 DART-GRU) its pass runs once per training row before the first step
 (``train/features.py``) and batches carry the stored features instead.
@@ -21,6 +23,7 @@ import functools
 import json
 import logging
 import os
+import shutil
 import time
 from typing import Callable
 
@@ -255,6 +258,42 @@ class TrainResult:
   history: list
   export_dir: str | None
   start_step: int
+  best: dict | None = None  # {"step", "accept_len", "dir"} of the best evaluated head
+
+
+BEST_JSON = "best.json"
+
+
+def read_best(workdir: str) -> dict | None:
+  """The best evaluated head's record in ``workdir`` (None before the first eval)."""
+  path = os.path.join(workdir, BEST_JSON)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def export_if_best(objective, head, record: dict, workdir: str, best: dict | None
+                   ) -> dict | None:
+  """Exports ``head`` to ``WORKDIR/best`` when its eval ``accept_len`` beats ``best``.
+
+  The export goes to a fresh directory that replaces the old one only when it
+  is complete, and ``best.json`` is written after it, so a kill at any point
+  leaves a complete best head that matches its record. Returns the best record.
+  """
+  if best is not None and record["accept_len"] <= best["accept_len"]:
+    return best
+  final_dir = os.path.join(workdir, "best")
+  partial = final_dir + ".partial"
+  shutil.rmtree(partial, ignore_errors=True)
+  objective.export(head, partial)
+  shutil.rmtree(final_dir, ignore_errors=True)
+  os.replace(partial, final_dir)
+  best = {"step": record["step"], "accept_len": record["accept_len"], "dir": final_dir}
+  with open(os.path.join(workdir, BEST_JSON + ".tmp"), "w") as f:
+    json.dump(best, f)
+  os.replace(os.path.join(workdir, BEST_JSON + ".tmp"), os.path.join(workdir, BEST_JSON))
+  return best
 
 
 def _load_target(config: TrainConfig):
@@ -394,8 +433,10 @@ def train(config: TrainConfig, workdir: str, *,
     logger = MetricsLog(workdir, is_main, bar if config.progress else None,
                         resume_step=start)
     eval_key = jax.random.PRNGKey(config.seed + 1)
+    best = read_best(workdir)
 
     def run_eval(step: int) -> None:
+      nonlocal best
       if not evals:
         return
       total = None
@@ -407,6 +448,13 @@ def train(config: TrainConfig, workdir: str, *,
       record = {"split": "eval", "step": step, **summarize(settings, jax.device_get(total))}
       history.append(record)
       logger.write(record)
+      evaluated = head_from_state(head.config, state)  # Every process: it gathers.
+      if is_main:
+        before = best
+        best = export_if_best(objective, evaluated, record, workdir, best)
+        if best is not before:
+          log.info("step %d: best held-out accept_len %.3f, exported to %s", step,
+                   best["accept_len"], best["dir"])
 
     running = None
     running_loss = 0.0
@@ -457,4 +505,4 @@ def train(config: TrainConfig, workdir: str, *,
     objective.export(final, export_dir)
     log.info("exported the %s to %s", "head" if config.head.kind == "dart" else "drafter",
              export_dir)
-  return TrainResult(final, state, history, export_dir, start)
+  return TrainResult(final, state, history, export_dir, start, read_best(workdir))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from train import configs, overrides
+from train import configs, loop, overrides
 from tests.helpers import FIXTURES
 from tests.train.train_helpers import (OVERRIDES, STEPS, crash_then_resume,
                                  metric_records as _records, run_preset)
@@ -33,6 +33,47 @@ def test_tiny_run_learns(full_run):
   assert os.path.isfile(os.path.join(full_run, "export", "model.safetensors"))
   saved = json.load(open(os.path.join(full_run, "config.json")))
   assert saved["steps"] == STEPS
+  # One eval (step 60): the best head is the final one.
+  best = json.load(open(os.path.join(full_run, "best.json")))
+  assert best["step"] == STEPS and best["accept_len"] == ev[0]["accept_len"]
+  final = load_file(os.path.join(full_run, "export", "model.safetensors"))
+  best_params = load_file(os.path.join(full_run, "best", "model.safetensors"))
+  assert set(best_params) == set(final)
+  for name in final:
+    np.testing.assert_array_equal(best_params[name], final[name], err_msg=name)
+
+
+class _RecordingObjective:
+  """Exports a "head" (a string) as one file, failing on request mid-export."""
+
+  fail = False
+
+  def export(self, head, directory):
+    os.makedirs(directory)
+    if self.fail:
+      raise OSError("disk full")
+    with open(os.path.join(directory, "head.txt"), "w") as f:
+      f.write(head)
+
+
+def test_only_a_better_eval_replaces_the_best_head_and_a_failed_export_keeps_it(tmp_path):
+  workdir = str(tmp_path)
+  objective = _RecordingObjective()
+  best_text = lambda: open(os.path.join(workdir, "best", "head.txt")).read()
+  best = loop.export_if_best(objective, "step10", {"step": 10, "accept_len": 1.5}, workdir, None)
+  best = loop.export_if_best(objective, "step20", {"step": 20, "accept_len": 1.4}, workdir, best)
+  assert best_text() == "step10" and best["step"] == 10
+  best = loop.export_if_best(objective, "step30", {"step": 30, "accept_len": 1.6}, workdir, best)
+  assert best_text() == "step30"
+  assert loop.read_best(workdir) == best == {"step": 30, "accept_len": 1.6,
+                                             "dir": os.path.join(workdir, "best")}
+  objective.fail = True  # Killed mid-export: the complete old best stays, with its record.
+  with pytest.raises(OSError):
+    loop.export_if_best(objective, "step40", {"step": 40, "accept_len": 1.9}, workdir, best)
+  assert best_text() == "step30" and loop.read_best(workdir)["step"] == 30
+  objective.fail = False  # The rerun's export clears the partial directory.
+  best = loop.export_if_best(objective, "step40", {"step": 40, "accept_len": 1.9}, workdir, best)
+  assert best_text() == "step40" and not os.path.exists(os.path.join(workdir, "best.partial"))
 
 
 def test_crash_and_resume_equals_the_uninterrupted_run(full_run, tmp_path):
