@@ -32,7 +32,8 @@ def tree_attention_reference(
     q: [B, T, Hq, hd] queries of the tree tokens.
     k_cache, v_cache: [B, S, Hkv, hd] cached keys/values (``cache_layout``
       "bshd"), or [B, Hkv, S, hd] ("bhsd"); only the first ``lengths[b]``
-      positions of row b are read.
+      positions of row b count; past them keys may hold anything (even NaN),
+      values anything finite (they get weight 0).
     lengths: [B] int, number of valid cache entries per row (0 allowed).
     k_tree, v_tree: [B, T, Hkv, hd] keys/values of the tree tokens.
     tree_mask: [B, T, T] bool, ``tree_mask[b, i, j]``: tree token i sees token j.
@@ -65,12 +66,11 @@ def tree_attention_reference(
   p_cache = jnp.where(cache_valid, jnp.exp(s_cache - row_max), 0.0)
   p_tree = jnp.where(tree_valid, jnp.exp(s_tree - row_max), 0.0)
   denom = p_cache.sum(-1) + p_tree.sum(-1)  # [B, Hkv, G, T]
-  # Zero the values past the length too: 0 * garbage (NaN, inf) would leak.
-  value_valid = cache_valid[:, 0, 0, 0]  # [B, S]
-  value_valid = (value_valid[:, :, None, None] if token_major
-                 else value_valid[:, None, :, None])
-  v_cache = jnp.where(value_valid, v_cache, 0).astype(jnp.float32)
-  out = (jnp.einsum(f"bkgts,{cache_axes}->bkgtd", p_cache, v_cache)
+  # Values past the length get weight 0, which zeroes any finite value. Masking
+  # them as well would copy the whole value cache every call (the largest cost
+  # of a batched decode step), so non-finite values there are the caller's to
+  # avoid; caches made here start at zero and only ever hold K/V of real tokens.
+  out = (jnp.einsum(f"bkgts,{cache_axes}->bkgtd", p_cache, v_cache.astype(jnp.float32))
          + jnp.einsum("bkgts,bskd->bkgtd", p_tree, v_tree.astype(jnp.float32)))
   out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
   out = out.transpose(0, 3, 1, 2, 4)  # [B, T, Hkv, G, hd]

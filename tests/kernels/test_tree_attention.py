@@ -137,8 +137,9 @@ def test_reference_row_that_sees_nothing_is_zero_and_others_unchanged():
 def test_reference_ignores_cache_past_length(batch, num_tree):
   args = list(random_inputs(batch, num_tree, 2, 2, 8, 10, [4] * batch))
   out = tree_attention_reference(*args)
-  for i in (1, 2):  # Garbage (even NaN) past the length must not leak in.
-    args[i] = args[i].at[:, 4:].set(jnp.nan)
+  # Garbage past the length must not leak in: any key (even NaN), any finite value.
+  args[1] = args[1].at[:, 4:].set(jnp.nan)
+  args[2] = args[2].at[:, 4:].set(3e38)
   np.testing.assert_array_equal(np.asarray(tree_attention_reference(*args)), out)
 
 
