@@ -32,6 +32,11 @@ TINY_TARGET = os.path.join(SAMPLE_DATA_DIR, "tiny_target")
 SMOLLM2_SELF_DISTILLED = os.path.join(SAMPLE_DATA_DIR, "smollm2_self_distilled.jsonl")
 SMOLLM2_SELF_DISTILLED_EVAL = os.path.join(SAMPLE_DATA_DIR,
                                            "smollm2_self_distilled_eval.jsonl")
+# The v2 self-distilled data (train/README.md, "The v2 data"), xz-compressed.
+SMOLLM2_V2_DIR = os.path.join(SAMPLE_DATA_DIR, "smollm2_v2")
+SMOLLM2_V2_TRAIN = (os.path.join(SMOLLM2_V2_DIR, "train_greedy.jsonl.xz"),
+                    os.path.join(SMOLLM2_V2_DIR, "train_sampled.jsonl.xz"))
+SMOLLM2_V2_HELDOUT = os.path.join(SMOLLM2_V2_DIR, "heldout_greedy.jsonl.xz")
 # The first 192 conversations: the data of the documented Domino and DART-GRU runs.
 SMOLLM2_FIRST_BATCHES = 192
 REQUIRED = "REQUIRED"  # A path the user must set (no sensible default exists).
@@ -61,8 +66,8 @@ class HeadSection:
     "dart_gru" (a GRU correction of a frozen DART head's levels).
   draft_length: D mask slots (D+1 draft levels).
   draft_vocab_size: Vd; 0 = the whole target vocabulary.
-  init_from: a DART head directory to continue from (reference format). For
-    dart_gru: the frozen head to correct (default: the head shipped for the
+  init_from: a DART head directory to continue from (reference format), or
+    "embedded": the head shipped for the embedded target. For dart_gru: the frozen head to correct (default: the head shipped for the
     embedded target), or a DART-GRU directory to continue; the head fixes D
     and Vd (``draft_length`` / ``draft_vocab_size`` are then unused).
   emb_dim, gru_hidden_dim: dart_gru: the correction's E and G.

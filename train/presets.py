@@ -7,7 +7,8 @@
 import dataclasses
 
 from train.configs import (REQUIRED, SMOLLM2_FIRST_BATCHES, SMOLLM2_SELF_DISTILLED,
-                           SMOLLM2_SELF_DISTILLED_EVAL, TINY_TARGET, DataSection, DFlashSection, HeadSection,
+                           SMOLLM2_SELF_DISTILLED_EVAL, SMOLLM2_V2_HELDOUT,
+                           SMOLLM2_V2_TRAIN, TINY_TARGET, DataSection, DFlashSection, HeadSection,
                            LossSection, MeshSection, OptimSection, TargetSection,
                            TrainConfig)
 
@@ -46,6 +47,21 @@ PRESETS: dict[str, TrainConfig] = {
         optim=OptimSection(learning_rate=1e-3, warmup_steps=20, end_lr_ratio=0.1),
         steps=600, batch_size=4, log_every=10, eval_every=150, eval_batches=4,
         checkpoint_every=50,
+    ),
+    # The v2 data (train/README.md, "The v2 data": ~10x smollm2_dart's, greedy
+    # and T=1 answers, a held-out split of other prompts), continuing from the
+    # shipped head. Cached features with the compact teacher keep the cache of
+    # millions of tokens on disk (~2 MB per 512-token row); every 250 steps
+    # the held-out estimate is taken and the best head exported to WORKDIR/best.
+    "smollm2_dart_v2": TrainConfig(
+        target=TargetSection(path=None),
+        head=HeadSection(draft_length=5, draft_vocab_size=8192, init_from="embedded"),
+        data=DataSection(train=SMOLLM2_V2_TRAIN, eval=(SMOLLM2_V2_HELDOUT,), max_len=512,
+                         eval_fraction=0.0, target_features="cached", teacher_topk=64),
+        loss=LossSection(num_anchors=64),
+        optim=OptimSection(learning_rate=5e-4, warmup_steps=50, end_lr_ratio=0.1),
+        steps=1500, batch_size=4, log_every=10, eval_every=250, eval_batches=16,
+        checkpoint_every=100,
     ),
     # Qwen3-8B on a TPU pod slice: shard the target over fsdp, bfloat16 compute.
     "qwen3_8b_dart": TrainConfig(

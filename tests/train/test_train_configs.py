@@ -4,6 +4,7 @@ import json
 import math
 import os
 
+import numpy as np
 import pytest
 
 from dart_jax.errors import ConfigError
@@ -123,3 +124,18 @@ def test_bundled_self_distilled_eval_is_held_out():
   held_out = first_prompts(configs.SMOLLM2_SELF_DISTILLED_EVAL)
   assert len(train) > 900 and len(held_out) == 64
   assert not train & held_out
+
+
+def test_the_v2_preset_continues_from_the_shipped_head(smollm2):
+  import dart_jax as dj
+  from train.objectives import dart as dart_objective
+
+  config = overrides.load_config("smollm2_dart_v2", [])
+  assert config.head.init_from == dart_objective.EMBEDDED
+  assert config.data.train == configs.SMOLLM2_V2_TRAIN
+  assert config.data.eval == (configs.SMOLLM2_V2_HELDOUT,)
+  head = dart_objective.make(config, smollm2, rows=None)
+  shipped = dj.load_dart(None, smollm2)
+  assert head.config == shipped.config
+  np.testing.assert_array_equal(np.asarray(head.params["d2t"][...]),
+                                np.asarray(shipped.params["d2t"][...]))

@@ -310,3 +310,43 @@ def test_regenerate_batch_slices_answer_disjoint_prompts(tmp_path):
   assert again["new_tokens"] == 0 and read(tail) == read(full)[2:]
   with pytest.raises(dj.InputError, match="is empty"):
     data_lib.regenerate(target, [src], str(tmp_path / "x.jsonl"), first_batch=3, **kwargs)
+
+
+def test_bundled_v2_data_answers_the_recipe_prompts_and_holds_out_its_split():
+  """The bundled v2 files (train/README.md) answer exactly the prompts their
+  recipe generates, the held-out split shares no prompt with the training sets,
+  the greedy and sampled sets answer different prompts, and no MT-Bench turn
+  appears."""
+  from infer import datasets
+  from train import configs, prompts
+
+  train_prompts, heldout_prompts = prompts.split_heldout(
+      prompts.generate_prompts(12400, seed=0, recipe="v2"), 400)
+
+  def read(path):
+    stats = data_lib.DataStats()
+    records = [r for _, r in data_lib.read_jsonl(path, stats)]
+    assert records and stats.malformed == 0, path
+    return records
+
+  def users(record):
+    return [m["content"] for m in record["messages"] if m["role"] == "user"]
+
+  heldout = read(configs.SMOLLM2_V2_HELDOUT)
+  greedy, sampled = (read(p) for p in configs.SMOLLM2_V2_TRAIN)
+  for records, source in ((heldout, heldout_prompts), (greedy, train_prompts),
+                          (sampled, train_prompts)):
+    for r in records:
+      asked = [m["content"] for m in source[r["index"]]["messages"]]
+      # Every answered conversation is its prompt's (a prefix of its turns when
+      # a follow-up would not fit).
+      assert users(r) and users(r) == asked[:len(users(r))], r["index"]
+    answered = sum(any(m["role"] == "assistant" and m["content"].strip()
+                       for m in r["messages"]) for r in records)
+    assert answered >= 0.99 * len(records)
+  assert len(heldout) == 400
+  assert not {r["index"] for r in greedy} & {r["index"] for r in sampled}
+  heldout_firsts = {users(r)[0] for r in heldout}
+  assert not heldout_firsts & {users(r)[0] for r in greedy + sampled}
+  bench = {t.strip() for q in datasets.load_mt_bench() for t in q.turns}
+  assert not bench & {u.strip() for r in heldout + greedy + sampled for u in users(r)}

@@ -15,6 +15,7 @@ from train import losses
 log = logging.getLogger(__name__)
 
 KINDS = ("dart",)
+EMBEDDED = "embedded"  # head.init_from: the head shipped for the embedded target
 CONFIG_TYPE = DartConfig
 
 
@@ -23,8 +24,10 @@ def make(config, target, rows: data_lib.Rows) -> DartHead:
   the draft vocabulary."""
   hc = config.head
   if hc.init_from:
-    head = dj.load_dart(hc.init_from, target)
-    log.info("continuing from the head in %s", hc.init_from)
+    embedded = hc.init_from == EMBEDDED
+    head = dj.load_dart(None if embedded else hc.init_from, target)
+    log.info("continuing from the head in %s",
+             "dart_jax's assets" if embedded else hc.init_from)
     return head
   vocab = target.config.vocab_size
   vd = hc.draft_vocab_size if 0 < hc.draft_vocab_size < vocab else vocab
