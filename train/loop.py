@@ -277,9 +277,11 @@ def export_if_best(objective, head, record: dict, workdir: str, best: dict | Non
                    ) -> dict | None:
   """Exports ``head`` to ``WORKDIR/best`` when its eval ``accept_len`` beats ``best``.
 
-  The export goes to a fresh directory that replaces the old one only when it
-  is complete, and ``best.json`` is written after it, so a kill at any point
-  leaves a complete best head that matches its record. Returns the best record.
+  The export goes to ``best.partial``, which replaces ``best`` only once it is
+  complete, and ``best.json`` is written after that: a failed or killed export
+  leaves the previous best head and its record (a kill in the instant between
+  removing the old directory and renaming the new one leaves only the
+  complete ``best.partial``). Returns the best record.
   """
   if best is not None and record["accept_len"] <= best["accept_len"]:
     return best
