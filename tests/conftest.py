@@ -1,6 +1,9 @@
 """Shared test fixtures."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # The suite's time is mostly XLA compilation of many small programs; LLVM's
 # optimisation level changes compile time, not results. Set before jax loads.
@@ -11,6 +14,28 @@ import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import dart_jax as dj  # pylint: disable=wrong-import-position
+
+_XLA_CACHE_ENV = "DART_JAX_TEST_XLA_CACHE"
+
+
+def _use_a_compilation_cache_for_the_run() -> None:
+  """Keeps compiled programs on disk for one test run. Many modules compile the
+  same programs (the tiny targets' prefill and rounds), and the in-memory cache
+  is dropped after each module (below); with the disk cache a program compiles
+  once per run, also across pytest-xdist workers. The process that starts the run
+  (the xdist controller, or the only process) makes the folder and removes it at
+  exit; workers inherit its path. Set DART_JAX_TEST_XLA_CACHE to keep one."""
+  path = os.environ.get(_XLA_CACHE_ENV)
+  if not path:
+    path = tempfile.mkdtemp(prefix="dart_jax_xla_cache_")
+    os.environ[_XLA_CACHE_ENV] = path
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+_use_a_compilation_cache_for_the_run()
 
 
 @pytest.fixture(autouse=True, scope="module")

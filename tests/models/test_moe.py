@@ -204,5 +204,6 @@ def test_moe_bench_times_every_cell():
   assert sorted(results["ms"]) == ["gather/T=1", "gather/T=3", "sorted/T=1", "sorted/T=3"]
   for cell in results["ms"].values():
     assert cell["2"] > 0 and cell["4"] > 0
-    assert cell["ratio"] == pytest.approx(cell["4"] / cell["2"], rel=1e-2)
+    # Both sides are rounded to 3 decimals; a one-rep timing can make the ratio small.
+    assert cell["ratio"] == pytest.approx(cell["4"] / cell["2"], rel=1e-2, abs=2e-3)
   assert len(lines) == 4 and "E=4/E=2" in lines[0]
