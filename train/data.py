@@ -547,7 +547,10 @@ def _complete_lines(out_path: str) -> list[dict]:
   if cut != len(data):
     with open(out_path, "r+b") as f:
       f.truncate(cut)
-  return [json.loads(line) for line in data[:cut].decode("utf-8").splitlines() if line.strip()]
+  # Split on "\n" only: str.splitlines also breaks at U+2028 / U+0085, which JSON
+  # strings may hold raw (answers are written with ensure_ascii=False).
+  return [json.loads(line) for line in data[:cut].decode("utf-8").split("\n")
+          if line.strip()]
 
 
 def regenerate(target, data_paths: Sequence[str], out_path: str, *, max_new_tokens: int = 512,

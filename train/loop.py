@@ -217,7 +217,7 @@ class MetricsLog:
     self.path = os.path.join(workdir, "metrics.jsonl")
     if enabled and os.path.exists(self.path):
       with open(self.path, encoding="utf-8") as f:
-        lines = f.read().splitlines(keepends=True)
+        lines = f.readlines()  # ends only at newlines (str.splitlines also breaks at U+2028)
       kept = [line for line in lines if line.endswith("\n") and
               json.loads(line).get("step", 0) <= resume_step]
       if len(kept) != len(lines):

@@ -350,3 +350,15 @@ def test_bundled_v2_data_answers_the_recipe_prompts_and_holds_out_its_split():
   assert not heldout_firsts & {users(r)[0] for r in greedy + sampled}
   bench = {t.strip() for q in datasets.load_mt_bench() for t in q.turns}
   assert not bench & {u.strip() for r in heldout + greedy + sampled for u in users(r)}
+
+
+def test_resume_reads_answers_holding_unicode_line_separators(tmp_path):
+  """Answers are written with raw non-ASCII; U+2028 / U+0085 inside a JSON string
+  are not line ends (a resumed run failed on one)."""
+  records = [{"index": 0, "messages": [{"role": "assistant", "content": "a\u2028b\x85c"}]},
+             {"index": 1, "messages": []}]
+  path = tmp_path / "out.jsonl"
+  body = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+  path.write_bytes((body + '{"index": 2, "mess').encode("utf-8"))
+  assert data_lib._complete_lines(str(path)) == records
+  assert path.read_bytes() == body.encode("utf-8")  # the partial line is cut off
