@@ -23,6 +23,14 @@ Measured on the 2-core AVX512-BF16 CPU (``python -m infer.precision_bench``):
 plain bf16 x bf16 -> bf16 dots are several times slower than float32, and a
 one-row bf16 dot takes a slow path, so one-row ``fast-rows`` dots are padded to
 two rows (``fast`` has three rows per input row already).
+
+On x86-64 CPUs without a bf16 dot unit (no AMX-BF16 / AVX512-BF16), XLA:CPU has
+no fast bf16 path, and its float32 dot grows steeply from one row to two; there
+the float32-activation modes run their dots through ``kernels.cpu_matmul`` (an
+AVX2 + FMA FFI kernel, float32 math on the stored weights, the same numbers for
+a token whatever the call's size) for calls of at most ``CPU_KERNEL_MAX_TOKENS``
+tokens per sequence: decode steps and tree verification. Longer calls (prefill
+of long prompts, training) keep XLA's dot, which is as fast there.
 """
 
 import dataclasses
@@ -32,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from dart_jax.errors import ConfigError
+from kernels import cpu_matmul
 
 DOT_FORMS = ("native", "split3", "rows")
 
@@ -95,9 +104,28 @@ def of_dtype(dtype) -> Precision:
   raise ConfigError(f"a model dtype must be floating, got {dtype}")
 
 
+CPU_KERNEL_MAX_TOKENS = 128
+"""Calls of at most this many tokens per sequence use ``kernels.cpu_matmul`` where
+it runs (above it XLA's dot is as fast: measured 128-256 rows, SmolLM2 shapes).
+Per sequence, not per call, so a batch verifies a tree with the same numbers as
+it decodes."""
+
+
+def cpu_kernel_active() -> bool:
+  """True where the float32-activation modes run their dots through
+  ``kernels.cpu_matmul``: the CPU backend on a CPU without a bf16 dot unit, with
+  the kernel built (``DART_JAX_CPU_MATMUL=0`` turns it off)."""
+  return (jax.default_backend() == "cpu" and not cpu_matmul.cpu_has_bf16_dot_unit()
+          and cpu_matmul.available())
+
+
 def default() -> Precision:
-  """``fast`` on CPU, ``bfloat16`` on TPU/GPU."""
-  return FAST if jax.default_backend() == "cpu" else BFLOAT16
+  """``bfloat16`` on TPU/GPU. On CPU ``fast`` (bf16 weights: half the bytes to
+  read), except on a CPU that has neither a bf16 dot unit nor the AVX2 kernel,
+  where XLA's bf16 dots are slower than float32 ones and ``float32`` is faster."""
+  if jax.default_backend() != "cpu":
+    return BFLOAT16
+  return FAST if cpu_matmul.cpu_has_bf16_dot_unit() or cpu_kernel_active() else FLOAT32
 
 
 def resolve(spec: "Precision | str | Any | None") -> Precision:
@@ -154,6 +182,16 @@ def sum_split3(parts: jax.Array) -> jax.Array:
   return parts[0] + (parts[1] + parts[2])
 
 
+def _uses_cpu_kernel(x: jax.Array, w: jax.Array, precision: Precision) -> bool:
+  """Whether ``matmul`` runs this call through ``kernels.cpu_matmul``: a
+  float32-activation mode, float32 or bf16 weights, at most
+  ``CPU_KERNEL_MAX_TOKENS`` tokens per sequence (``x [..., T, K]``)."""
+  tokens = x.shape[-2] if x.ndim >= 2 else 1
+  return (precision.dtype == jnp.float32 and tokens <= CPU_KERNEL_MAX_TOKENS
+          and jnp.dtype(w.dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+          and cpu_kernel_active())
+
+
 def matmul(x: jax.Array, w: jax.Array, precision: Precision, *,
            transposed: bool = False) -> jax.Array:
   """``x @ w`` as ``precision`` says; the library's only dense-layer dot.
@@ -170,7 +208,9 @@ def matmul(x: jax.Array, w: jax.Array, precision: Precision, *,
   lead = x.shape[:-1]
   rows = x.reshape(-1, x.shape[-1])
   m = rows.shape[0]
-  if precision.dot == "native":
+  if _uses_cpu_kernel(x, w, precision):
+    out = cpu_matmul.rows_matmul(rows.astype(jnp.float32), w, transposed)
+  elif precision.dot == "native":
     out = jax.lax.dot_general(rows.astype(w.dtype), w, (contract, ((), ())),
                               preferred_element_type=precision.dtype)
   elif precision.dot == "split3":

@@ -18,6 +18,12 @@ CONFIG = ModelConfig(arch="llama", vocab_size=97, hidden_size=32, intermediate_s
                      max_position_embeddings=128)
 
 
+@pytest.fixture
+def xla_dots(monkeypatch):
+  """The XLA dot forms themselves, where the CPU kernel would otherwise run."""
+  monkeypatch.setattr(precision, "cpu_kernel_active", lambda: False)
+
+
 def _activations(m, k, seed=0):
   # Spread over many binades so the split's parts all matter.
   rng = np.random.default_rng(seed)
@@ -36,7 +42,7 @@ def test_split3_reconstructs_float32_to_its_last_bits():
 
 
 @pytest.mark.parametrize("transposed", [False, True])
-def test_split3_dot_is_as_exact_as_float32_and_rows_is_not(transposed):
+def test_split3_dot_is_as_exact_as_float32_and_rows_is_not(transposed, xla_dots):
   rng = np.random.default_rng(1)
   w = jnp.asarray(rng.standard_normal((96, 200)) * 0.05, jnp.bfloat16)
   x = jnp.asarray(_activations(9, 96))
@@ -55,7 +61,7 @@ def test_split3_dot_is_as_exact_as_float32_and_rows_is_not(transposed):
   assert err(FAST_ROWS) > 100 * err(FAST)  # rounded rows lose bits (drafters only)
 
 
-def test_split3_rows_do_not_depend_on_how_many_rows_a_call_holds():
+def test_split3_rows_do_not_depend_on_how_many_rows_a_call_holds(xla_dots):
   """What keeps verification lossless: a row's result is the same whether the
   call holds 1 row (decode) or 27 (a tree)."""
   rng = np.random.default_rng(2)
@@ -67,7 +73,7 @@ def test_split3_rows_do_not_depend_on_how_many_rows_a_call_holds():
   np.testing.assert_allclose(one, batched, rtol=0, atol=2e-6 * np.abs(batched).max())
 
 
-def test_one_row_bf16_dot_is_padded_and_equals_the_row_of_a_larger_call():
+def test_one_row_bf16_dot_is_padded_and_equals_the_row_of_a_larger_call(xla_dots):
   rng = np.random.default_rng(4)
   w = jnp.asarray(rng.standard_normal((64, 50)), jnp.bfloat16)
   x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
@@ -78,7 +84,7 @@ def test_one_row_bf16_dot_is_padded_and_equals_the_row_of_a_larger_call():
 
 
 def test_resolve_modes_names_dtypes_and_errors():
-  assert precision.resolve(None) is FAST  # the CPU default
+  assert precision.resolve(None) is precision.default()
   assert precision.resolve("float32") is FLOAT32
   assert precision.resolve(jnp.float32) is FLOAT32
   assert precision.resolve(np.float32) is FLOAT32
@@ -94,7 +100,7 @@ def test_resolve_modes_names_dtypes_and_errors():
 def test_cli_flag_names_every_mode_and_auto_is_the_default():
   parser = argparse.ArgumentParser()
   precision.add_cli_flag(parser)
-  assert precision.resolve_flag(parser.parse_args([]).precision) is FAST
+  assert precision.resolve_flag(parser.parse_args([]).precision) is precision.default()
   args = parser.parse_args(["--precision", "float32"])
   assert precision.resolve_flag(args.precision) is FLOAT32
   with pytest.raises(SystemExit):
@@ -138,3 +144,31 @@ def test_fast_target_matches_float32_on_the_same_weights():
             for t in (fast, exact)]
   np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(logits[1]), rtol=0,
                              atol=1e-5 * float(jnp.abs(logits[1]).max()))
+
+
+@pytest.mark.parametrize("bf16_unit,kernel,want", [
+    (True, False, "fast"), (False, True, "fast"), (False, False, "float32")])
+def test_cpu_default_is_fast_only_where_bf16_weights_pay(monkeypatch, bf16_unit, kernel,
+                                                        want):
+  """Without a bf16 dot unit XLA's bf16 dots are slower than float32 (measured
+  0.84x AR on an AVX2-only CPU); with the AVX2 kernel bf16 weights halve the bytes."""
+  monkeypatch.setattr(precision.cpu_matmul, "cpu_has_bf16_dot_unit", lambda: bf16_unit)
+  monkeypatch.setattr(precision.cpu_matmul, "available", lambda: kernel)
+  assert precision.default().name == want
+  assert precision.cpu_kernel_active() == (kernel and not bf16_unit)
+
+
+@pytest.mark.skipif(not precision.cpu_kernel_active(), reason="needs the AVX2 CPU kernel")
+@pytest.mark.parametrize("mode", [FAST, FLOAT32])
+def test_kernel_dots_are_bitwise_the_same_for_one_token_and_a_tree(mode):
+  """Where the CPU kernel runs, a token's output of every dense layer is bitwise
+  the same in a 1-token call (decode) and a 33-token call (a tree), for any batch."""
+  rng = np.random.default_rng(7)
+  for transposed in (False, True):
+    w = jnp.asarray(rng.standard_normal((300, 96) if transposed else (96, 300)) * 0.05,
+                    mode.weight_dtype)
+    x = jnp.asarray(_activations(2 * 33, 96, seed=8)).reshape(2, 33, 96)
+    dot = jax.jit(lambda a, w=w, t=transposed: matmul(a, w, mode, transposed=t))
+    tree = np.asarray(dot(x))
+    for b, t in ((0, 0), (1, 5), (1, 32)):
+      np.testing.assert_array_equal(np.asarray(dot(x[b:b + 1, t:t + 1]))[0, 0], tree[b, t])

@@ -1,0 +1,238 @@
+// Dense-layer dots for the row counts of decoding and tree verification on
+// x86-64 CPUs with AVX2 + FMA, as XLA FFI custom calls:
+//   DartRowsMatmulNK{F32,BF16}: out[m, n] = sum_k x[m, k] * w[n, k]  (w [N, K])
+//   DartRowsMatmulKN{F32,BF16}: out[m, n] = sum_k x[m, k] * w[k, n]  (w [K, N])
+// x and out are float32; w is float32 or bfloat16 (widened exactly to float32).
+//
+// Why: XLA:CPU reads a weight matrix quickly for one row (its own matrix-vector
+// loop) but runs two or more rows through a packing GEMM whose cost, on a CPU
+// without AMX, grows far faster than the bytes it reads (a 576 x 49152 LM head:
+// 3-5 ms for one row, 13-28 ms for nine). At 1-64 rows a dense layer is bound
+// by reading its weights once; these loops do that, each block of weights
+// reused from L1 by every tile of rows.
+//
+// Numerics: in NK every output is one 8-lane FMA chain over k in order, a fixed
+// lane tree, then the k tail in order; in KN every output is one FMA chain over
+// k in order. Neither depends on M or on the tiling, so a model's output for a
+// token does not depend on how many tokens the call holds: a tree verified in
+// one pass gets the logits that decoding its tokens one by one would (what
+// keeps speculative decoding lossless).
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 Load8(const uint16_t* p) {  // bfloat16 -> float32, exact
+  __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+inline float Widen(float v) { return v; }
+
+inline float Widen(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// A fixed reduction tree over the 8 lanes.
+inline float LaneSum(__m256 v) {
+  __m128 quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 0x1)));
+}
+
+constexpr int kRowTile = 3;  // rows of x per tile (3 x 4 accumulators + loads fit 16 ymm)
+constexpr int kColTile = 4;  // weight rows (NK) or 8-column groups (KN) per tile
+
+// ---------------------------------------------------------------- w [N, K]
+
+// out[r, c] for R rows of x against C consecutive weight rows at w.
+template <int R, int C, typename W>
+inline void TileNK(const float* x, const W* w, float* out, int64_t k_dim, int64_t n_dim) {
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  const int64_t k_vec = k_dim & ~int64_t{7};
+  for (int64_t k = 0; k < k_vec; k += 8) {
+    __m256 wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = Load8(w + c * k_dim + k);
+    for (int r = 0; r < R; ++r) {
+      __m256 xv = _mm256_loadu_ps(x + r * k_dim + k);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) {
+      float sum = LaneSum(acc[r][c]);
+      for (int64_t k = k_vec; k < k_dim; ++k)
+        sum = std::fmaf(x[r * k_dim + k], Widen(w[c * k_dim + k]), sum);
+      out[r * n_dim + c] = sum;
+    }
+  }
+}
+
+// Every row of x against the C weight rows at w (out points at column n0).
+template <int C, typename W>
+inline void ColumnNK(const float* x, const W* w, float* out, int64_t m_dim,
+                     int64_t k_dim, int64_t n_dim) {
+  int64_t m = 0;
+  for (; m + kRowTile <= m_dim; m += kRowTile)
+    TileNK<kRowTile, C>(x + m * k_dim, w, out + m * n_dim, k_dim, n_dim);
+  for (; m < m_dim; ++m) TileNK<1, C>(x + m * k_dim, w, out + m * n_dim, k_dim, n_dim);
+}
+
+// Output columns [n_begin, n_end). With bfloat16 weights and more than one row
+// tile, each block of weight rows is widened once into a float32 buffer, so the
+// conversion is not repeated per row tile.
+template <typename W>
+void RangeNK(const float* x, const W* w, float* out, int64_t m_dim, int64_t k_dim,
+             int64_t n_dim, int64_t n_begin, int64_t n_end) {
+  const bool widen_once = std::is_same_v<W, uint16_t> && m_dim > kRowTile;
+  thread_local std::vector<float> block;
+  if (widen_once) block.resize(kColTile * k_dim);
+  int64_t n = n_begin;
+  for (; n + kColTile <= n_end; n += kColTile) {
+    const W* wn = w + n * k_dim;
+    if (widen_once) {
+      for (int64_t i = 0; i < kColTile * k_dim; ++i) block[i] = Widen(wn[i]);
+      ColumnNK<kColTile>(x, block.data(), out + n, m_dim, k_dim, n_dim);
+    } else {
+      ColumnNK<kColTile>(x, wn, out + n, m_dim, k_dim, n_dim);
+    }
+  }
+  for (; n < n_end; ++n) ColumnNK<1>(x, w + n * k_dim, out + n, m_dim, k_dim, n_dim);
+}
+
+// ---------------------------------------------------------------- w [K, N]
+
+// out[r, 8c:8c+8] for R rows of x against the 8C weight columns at w.
+template <int R, int C, typename W>
+inline void TileKN(const float* x, const W* w, float* out, int64_t k_dim, int64_t n_dim) {
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < k_dim; ++k) {
+    __m256 wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = Load8(w + k * n_dim + 8 * c);
+    for (int r = 0; r < R; ++r) {
+      __m256 xb = _mm256_set1_ps(x[r * k_dim + k]);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xb, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + r * n_dim + 8 * c, acc[r][c]);
+}
+
+template <int C, typename W>
+inline void ColumnKN(const float* x, const W* w, float* out, int64_t m_dim,
+                     int64_t k_dim, int64_t n_dim) {
+  int64_t m = 0;
+  for (; m + kRowTile <= m_dim; m += kRowTile)
+    TileKN<kRowTile, C>(x + m * k_dim, w, out + m * n_dim, k_dim, n_dim);
+  for (; m < m_dim; ++m) TileKN<1, C>(x + m * k_dim, w, out + m * n_dim, k_dim, n_dim);
+}
+
+template <typename W>
+void RangeKN(const float* x, const W* w, float* out, int64_t m_dim, int64_t k_dim,
+             int64_t n_dim, int64_t n_begin, int64_t n_end) {
+  int64_t n = n_begin;
+  for (; n + 8 * kColTile <= n_end; n += 8 * kColTile)
+    ColumnKN<kColTile>(x, w + n, out + n, m_dim, k_dim, n_dim);
+  for (; n + 8 <= n_end; n += 8) ColumnKN<1>(x, w + n, out + n, m_dim, k_dim, n_dim);
+  for (; n < n_end; ++n) {  // the same FMA chain as one vector lane
+    for (int64_t m = 0; m < m_dim; ++m) {
+      float sum = 0.0f;
+      for (int64_t k = 0; k < k_dim; ++k)
+        sum = std::fmaf(x[m * k_dim + k], Widen(w[k * n_dim + n]), sum);
+      out[m * n_dim + n] = sum;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- threads
+
+struct Work {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> active{0};
+};
+
+// Runs range(n_begin, n_end) over [0, n_dim) in chunks of `chunk` columns on
+// the calling thread and the XLA intra-op pool's other threads.
+template <typename Range>
+void Parallel(ffi::ThreadPool& pool, int64_t n_dim, int64_t chunk, Range range) {
+  const int64_t chunks = (n_dim + chunk - 1) / chunk;
+  const int64_t helpers =
+      std::max<int64_t>(0, std::min<int64_t>(pool.num_threads() - 1, chunks - 1));
+  auto work = std::make_shared<Work>();
+  auto drain = [=]() {
+    work->active.fetch_add(1);
+    for (int64_t c; (c = work->next.fetch_add(1)) < chunks;)
+      range(c * chunk, std::min(n_dim, (c + 1) * chunk));
+    work->active.fetch_sub(1);
+  };
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([drain]() { drain(); });
+  drain();
+  // Every chunk is taken; wait for helpers still running one. A helper that
+  // starts later finds no chunk and touches no buffer.
+  while (work->active.load() != 0) std::this_thread::yield();
+}
+
+template <bool kNK, ffi::DataType WT>
+ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
+                      ffi::ResultBuffer<ffi::F32> out) {
+  using W = std::conditional_t<WT == ffi::F32, float, uint16_t>;
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[kNK ? 1 : 0])
+    return ffi::Error::InvalidArgument(
+        kNK ? "rows_matmul: expected x [M, K] and w [N, K]"
+            : "rows_matmul: expected x [M, K] and w [K, N]");
+  const int64_t m_dim = xd[0], k_dim = xd[1], n_dim = wd[kNK ? 0 : 1];
+  const float* xp = x.typed_data();
+  const W* wp = reinterpret_cast<const W*>(w.untyped_data());
+  float* op = out->typed_data();
+  if (m_dim == 0 || n_dim == 0) return ffi::Error::Success();
+  if constexpr (kNK) {
+    Parallel(pool, n_dim, kColTile * 16, [=](int64_t b, int64_t e) {
+      RangeNK(xp, wp, op, m_dim, k_dim, n_dim, b, e);
+    });
+  } else {
+    Parallel(pool, n_dim, 8 * kColTile * 4, [=](int64_t b, int64_t e) {
+      RangeKN(xp, wp, op, m_dim, k_dim, n_dim, b, e);
+    });
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+#define DART_ROWS_MATMUL(NAME, NK, WT)                                       \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, (RowsMatmul<NK, WT>),                 \
+                                ffi::Ffi::Bind()                             \
+                                    .Ctx<ffi::ThreadPool>()                  \
+                                    .Arg<ffi::Buffer<ffi::F32>>()            \
+                                    .Arg<ffi::Buffer<WT>>()                  \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+
+DART_ROWS_MATMUL(DartRowsMatmulNKF32, true, ffi::F32)
+DART_ROWS_MATMUL(DartRowsMatmulNKBF16, true, ffi::BF16)
+DART_ROWS_MATMUL(DartRowsMatmulKNF32, false, ffi::F32)
+DART_ROWS_MATMUL(DartRowsMatmulKNBF16, false, ffi::BF16)
