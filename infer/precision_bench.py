@@ -12,6 +12,9 @@
    float32: the curve that decides how large a tree pays on this machine.
 3. Plain decoding (AR) tokens/s of the embedded model in each mode, alternating
    runs on the same chat prompts.
+4. ``--kernel-ab`` (CPUs where ``kernels.cpu_matmul`` runs): the verify curve and
+   AR tokens/s of each mode with the CPU kernel on and off, alternating in one
+   process (programs are traced again at each switch).
 """
 
 import argparse
@@ -90,6 +93,42 @@ def ar_rates(reps: int, max_new_tokens: int = 64) -> dict:
   return {mode: statistics.median(r) for mode, r in rates.items()}
 
 
+def kernel_ab(reps: int, rounds: int = 2, sizes=(1, 2, 4, 8, 16, 32, 64)) -> dict:
+  """{mode: {"on"|"off": {"verify_ms": {T: ms}, "ar_tokens_per_s": float}}}: the
+  CPU kernel on and off, alternating ``rounds`` times; medians over rounds."""
+  targets = {mode: dj.load_target(dtype=mode) for mode in MODES}
+  runs = {mode: {s: [] for s in ("on", "off")} for mode in MODES}
+  for rnd in range(rounds):
+    for setting in (("on", "off") if rnd % 2 == 0 else ("off", "on")):
+      with precision.cpu_kernel(setting == "on"):
+        for mode, target in targets.items():
+          jax.clear_caches()
+          curve = tree_budget.measure_verify_costs(target, sizes, reps=reps)
+          rates = []
+          for prompt in AR_PROMPTS:
+            for timed in (False, True):  # the first run compiles
+              out = dj.generate(target, prompt, max_new_tokens=64, eos_token_ids=())
+              if timed:
+                rates.append(out.stats.tokens_per_s)
+          runs[mode][setting].append((curve, statistics.median(rates)))
+  return {mode: {setting: {
+      "verify_ms": {t: 1e3 * statistics.median(c[t] for c, _ in got) for t in sizes},
+      "ar_tokens_per_s": statistics.median(r for _, r in got)}
+      for setting, got in by_setting.items()} for mode, by_setting in runs.items()}
+
+
+def kernel_report(ab: dict) -> str:
+  sizes = list(next(iter(ab.values()))["on"]["verify_ms"])
+  lines = ["CPU kernel on/off: target pass ms  T " + "  ".join(f"{t:>6}" for t in sizes)
+           + "   AR tok/s"]
+  for mode, by_setting in ab.items():
+    for setting, got in by_setting.items():
+      lines.append(f"  {mode:<8} {setting:<4}" + " " * 20 + "  ".join(
+          f"{v:6.1f}" for v in got["verify_ms"].values())
+                   + f"   {got['ar_tokens_per_s']:.1f}")
+  return "\n".join(lines)
+
+
 def report(dots: dict, curves: dict | None, ar: dict | None = None) -> str:
   lines = ["dot ms (median)      " + "".join(f"{'M=' + str(m):>22}" for m in ROWS)]
   for name, by_rows in dots.items():
@@ -119,7 +158,18 @@ def main(argv=None) -> int:
   p.add_argument("--json", default=None, help="write the numbers to this JSON file")
   p.add_argument("--no-target", action="store_true",
                  help="dots only (skip the embedded model's verify curves)")
+  p.add_argument("--kernel-ab", action="store_true",
+                 help="only the verify curves and AR rates with the CPU kernel on vs off")
   args = p.parse_args(argv)
+  if args.kernel_ab:
+    if not precision.cpu_kernel_active():
+      p.error("--kernel-ab: the CPU kernel does not run here (kernels.cpu_matmul)")
+    ab = kernel_ab(max(3, args.reps // 2))
+    print(kernel_report(ab))
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump({"kernel_ab": ab, "devices": [str(d) for d in jax.devices()]}, f, indent=1)
+    return 0
   dots = dot_table(args.reps)
   curves = None if args.no_target else verify_curves(max(3, args.reps // 2))
   ar = None if args.no_target else ar_rates(max(2, args.reps // 5))

@@ -16,7 +16,8 @@ with its module's ``Precision``. Modes:
 - ``fast-rows`` (drafters in fast mode, and work whose numerics need not match the
   target's decode exactly): bf16 weights, activations rounded to bf16 rows, float32
   accumulation. The cheapest form; a draft model's numerics cannot break
-  losslessness, only acceptance.
+  losslessness, only acceptance. (Where the CPU kernel below runs, it is both
+  cheaper and exact, so there ``fast-rows`` computes like ``fast``.)
 - ``bfloat16`` (TPU/GPU default): bfloat16 weights and activations, native dots.
 
 Measured on the 2-core AVX512-BF16 CPU (``python -m infer.precision_bench``):
@@ -33,8 +34,9 @@ tokens per sequence: decode steps and tree verification. Longer calls (prefill
 of long prompts, training) keep XLA's dot, which is as fast there.
 """
 
+import contextlib
 import dataclasses
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -111,12 +113,29 @@ Per sequence, not per call, so a batch verifies a tree with the same numbers as
 it decodes."""
 
 
+_kernel_switch: list[bool] = []  # innermost ``cpu_kernel(...)`` setting, if any
+
+
 def cpu_kernel_active() -> bool:
   """True where the float32-activation modes run their dots through
   ``kernels.cpu_matmul``: the CPU backend on a CPU without a bf16 dot unit, with
   the kernel built (``DART_JAX_CPU_MATMUL=0`` turns it off)."""
+  if _kernel_switch and not _kernel_switch[-1]:
+    return False
   return (jax.default_backend() == "cpu" and not cpu_matmul.cpu_has_bf16_dot_unit()
           and cpu_matmul.available())
+
+
+@contextlib.contextmanager
+def cpu_kernel(enabled: bool) -> Iterator[None]:
+  """Within the block, functions traced anew use the CPU kernel only if
+  ``enabled`` (and it is active). For side-by-side benchmarks: clear jit caches
+  (``jax.clear_caches()``) so that programs are traced again."""
+  _kernel_switch.append(enabled)
+  try:
+    yield
+  finally:
+    _kernel_switch.pop()
 
 
 def default() -> Precision:
