@@ -89,38 +89,6 @@ inline void TileNK(const float* x, const W* w, float* out, int64_t k_dim, int64_
   }
 }
 
-// Every row of x against the C weight rows at w (out points at column n0).
-template <int C, typename W>
-inline void ColumnNK(const float* x, const W* w, float* out, int64_t m_dim,
-                     int64_t k_dim, int64_t n_dim) {
-  int64_t m = 0;
-  for (; m + kRowTile <= m_dim; m += kRowTile)
-    TileNK<kRowTile, C>(x + m * k_dim, w, out + m * n_dim, k_dim, n_dim);
-  for (; m < m_dim; ++m) TileNK<1, C>(x + m * k_dim, w, out + m * n_dim, k_dim, n_dim);
-}
-
-// Output columns [n_begin, n_end). With bfloat16 weights and more than one row
-// tile, each block of weight rows is widened once into a float32 buffer, so the
-// conversion is not repeated per row tile.
-template <typename W>
-void RangeNK(const float* x, const W* w, float* out, int64_t m_dim, int64_t k_dim,
-             int64_t n_dim, int64_t n_begin, int64_t n_end) {
-  const bool widen_once = std::is_same_v<W, uint16_t> && m_dim > kRowTile;
-  thread_local std::vector<float> block;
-  if (widen_once) block.resize(kColTile * k_dim);
-  int64_t n = n_begin;
-  for (; n + kColTile <= n_end; n += kColTile) {
-    const W* wn = w + n * k_dim;
-    if (widen_once) {
-      for (int64_t i = 0; i < kColTile * k_dim; ++i) block[i] = Widen(wn[i]);
-      ColumnNK<kColTile>(x, block.data(), out + n, m_dim, k_dim, n_dim);
-    } else {
-      ColumnNK<kColTile>(x, wn, out + n, m_dim, k_dim, n_dim);
-    }
-  }
-  for (; n < n_end; ++n) ColumnNK<1>(x, w + n * k_dim, out + n, m_dim, k_dim, n_dim);
-}
-
 // ---------------------------------------------------------------- w [K, N]
 
 // out[r, 8c:8c+8] for R rows of x against the 8C weight columns at w.
@@ -141,13 +109,50 @@ inline void TileKN(const float* x, const W* w, float* out, int64_t k_dim, int64_
     for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + r * n_dim + 8 * c, acc[r][c]);
 }
 
-template <int C, typename W>
-inline void ColumnKN(const float* x, const W* w, float* out, int64_t m_dim,
-                     int64_t k_dim, int64_t n_dim) {
+// ---------------------------------------------------------------- both layouts
+
+// Every row of x against one block of weights (C rows in NK, 8C columns in KN;
+// out points at the block's first column): tiles of kRowTile rows, then single rows.
+template <bool kNK, int C, typename W>
+inline void Column(const float* x, const W* w, float* out, int64_t m_dim,
+                   int64_t k_dim, int64_t n_dim) {
+  auto tile = [&](auto rows, int64_t m) {
+    constexpr int R = decltype(rows)::value;
+    if constexpr (kNK) {
+      TileNK<R, C>(x + m * k_dim, w, out + m * n_dim, k_dim, n_dim);
+    } else {
+      TileKN<R, C>(x + m * k_dim, w, out + m * n_dim, k_dim, n_dim);
+    }
+  };
   int64_t m = 0;
-  for (; m + kRowTile <= m_dim; m += kRowTile)
-    TileKN<kRowTile, C>(x + m * k_dim, w, out + m * n_dim, k_dim, n_dim);
-  for (; m < m_dim; ++m) TileKN<1, C>(x + m * k_dim, w, out + m * n_dim, k_dim, n_dim);
+  for (; m + kRowTile <= m_dim; m += kRowTile) tile(std::integral_constant<int, kRowTile>(), m);
+  for (; m < m_dim; ++m) tile(std::integral_constant<int, 1>(), m);
+}
+
+// Output columns [n_begin, n_end). With bfloat16 weights and more than one row
+// tile, each block of weight rows is widened once into a float32 buffer, so the
+// conversion is not repeated per row tile.
+template <typename W>
+void RangeNK(const float* x, const W* w, float* out, int64_t m_dim, int64_t k_dim,
+             int64_t n_dim, int64_t n_begin, int64_t n_end) {
+  const bool widen_once = std::is_same_v<W, uint16_t> && m_dim > kRowTile;
+  thread_local std::vector<float> block;
+  if (widen_once) block.resize(kColTile * k_dim);
+  int64_t n = n_begin;
+  if (m_dim == 1) {  // one row: more weight rows in flight hide FMA latency
+    for (; n + 2 * kColTile <= n_end; n += 2 * kColTile)
+      TileNK<1, 2 * kColTile>(x, w + n * k_dim, out + n, k_dim, n_dim);
+  }
+  for (; n + kColTile <= n_end; n += kColTile) {
+    const W* wn = w + n * k_dim;
+    if (widen_once) {
+      for (int64_t i = 0; i < kColTile * k_dim; ++i) block[i] = Widen(wn[i]);
+      Column<true, kColTile>(x, block.data(), out + n, m_dim, k_dim, n_dim);
+    } else {
+      Column<true, kColTile>(x, wn, out + n, m_dim, k_dim, n_dim);
+    }
+  }
+  for (; n < n_end; ++n) Column<true, 1>(x, w + n * k_dim, out + n, m_dim, k_dim, n_dim);
 }
 
 template <typename W>
@@ -155,8 +160,8 @@ void RangeKN(const float* x, const W* w, float* out, int64_t m_dim, int64_t k_di
              int64_t n_dim, int64_t n_begin, int64_t n_end) {
   int64_t n = n_begin;
   for (; n + 8 * kColTile <= n_end; n += 8 * kColTile)
-    ColumnKN<kColTile>(x, w + n, out + n, m_dim, k_dim, n_dim);
-  for (; n + 8 <= n_end; n += 8) ColumnKN<1>(x, w + n, out + n, m_dim, k_dim, n_dim);
+    Column<false, kColTile>(x, w + n, out + n, m_dim, k_dim, n_dim);
+  for (; n + 8 <= n_end; n += 8) Column<false, 1>(x, w + n, out + n, m_dim, k_dim, n_dim);
   for (; n < n_end; ++n) {  // the same FMA chain as one vector lane
     for (int64_t m = 0; m < m_dim; ++m) {
       float sum = 0.0f;
