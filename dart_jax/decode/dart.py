@@ -24,6 +24,7 @@ from dart_jax.decode.verify import Acceptance
 from dart_jax.draft.dart_gru import DartGruDrafter
 from dart_jax.draft.dart_head import DartConfig, DartHead
 from dart_jax.errors import InputError
+from dart_jax.models import static_graph
 from dart_jax.models.target import Target
 from dart_jax.models.transformer import KVCache
 from dart_jax.ngram.context import ContextNGram, ContextNGramConfig
@@ -89,6 +90,9 @@ class DartProposer:
   tree_config: TreeConfig | None = None
   context_config: ContextNGramConfig | None = None
   context_size: int = 1
+
+  def __post_init__(self):
+    static_graph.use_static_graphdefs(self)  # hashed on every round's call
 
   @property
   def taps(self) -> tuple[int, ...]:

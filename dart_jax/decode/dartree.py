@@ -27,6 +27,7 @@ from flax import nnx
 from dart_jax.decode.round import RoundState, SpeculativeDecoder, root_tokens
 from dart_jax.draft.dflash import DFlashConfig, DFlashDrafter, draft_block
 from dart_jax.errors import InputError
+from dart_jax.models import static_graph
 from dart_jax.models.target import Target
 from dart_jax.models.transformer import KVCache
 from dart_jax.sampling import SamplingConfig
@@ -76,6 +77,9 @@ class DARTreeProposer:
   method: str
   tree_config: DARTreeConfig
   num_nodes: int
+
+  def __post_init__(self):
+    static_graph.use_static_graphdefs(self)  # hashed on every round's call
 
   @property
   def taps(self) -> tuple[int, ...]:

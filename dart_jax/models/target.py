@@ -12,7 +12,7 @@ from flax import nnx
 
 from dart_jax import sharding as sharding_lib
 from dart_jax.errors import CheckpointError
-from dart_jax.models import checkpoint, moe
+from dart_jax.models import checkpoint, moe, static_graph
 from dart_jax.models import precision as precision_lib
 from dart_jax.models.config import ModelConfig, config_from_hf
 from dart_jax.models.precision import Precision
@@ -47,6 +47,9 @@ class Target:
   attn_impl: str = "auto"
   source: str = ""
   mesh: Any = None
+
+  def __post_init__(self):
+    static_graph.use_static_graphdefs(self)  # a cheap static jit argument
 
   @classmethod
   def init(cls, config: ModelConfig, *, seed: int = 0, dtype=None, tokenizer=None,
