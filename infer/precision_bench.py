@@ -93,11 +93,12 @@ def ar_rates(reps: int, max_new_tokens: int = 64) -> dict:
   return {mode: statistics.median(r) for mode, r in rates.items()}
 
 
-def kernel_ab(reps: int, rounds: int = 2, sizes=(1, 2, 4, 8, 16, 32, 64)) -> dict:
+def kernel_ab(reps: int, rounds: int = 2, sizes=(1, 2, 4, 8, 16, 32, 64),
+              modes=MODES) -> dict:
   """{mode: {"on"|"off": {"verify_ms": {T: ms}, "ar_tokens_per_s": float}}}: the
   CPU kernel on and off, alternating ``rounds`` times; medians over rounds."""
-  targets = {mode: dj.load_target(dtype=mode) for mode in MODES}
-  runs = {mode: {s: [] for s in ("on", "off")} for mode in MODES}
+  targets = {mode: dj.load_target(dtype=mode) for mode in modes}
+  runs = {mode: {s: [] for s in ("on", "off")} for mode in modes}
   for rnd in range(rounds):
     for setting in (("on", "off") if rnd % 2 == 0 else ("off", "on")):
       with precision.cpu_kernel(setting == "on"):
@@ -160,11 +161,13 @@ def main(argv=None) -> int:
                  help="dots only (skip the embedded model's verify curves)")
   p.add_argument("--kernel-ab", action="store_true",
                  help="only the verify curves and AR rates with the CPU kernel on vs off")
+  p.add_argument("--modes", default=",".join(MODES),
+                 help="with --kernel-ab: the modes to time (default: float32,fast)")
   args = p.parse_args(argv)
   if args.kernel_ab:
     if not precision.cpu_kernel_active():
       p.error("--kernel-ab: the CPU kernel does not run here (kernels.cpu_matmul)")
-    ab = kernel_ab(max(3, args.reps // 2))
+    ab = kernel_ab(max(3, args.reps // 2), modes=tuple(args.modes.split(",")))
     print(kernel_report(ab))
     if args.json:
       with open(args.json, "w") as f:

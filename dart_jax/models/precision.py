@@ -201,12 +201,21 @@ def sum_split3(parts: jax.Array) -> jax.Array:
   return parts[0] + (parts[1] + parts[2])
 
 
-def _uses_cpu_kernel(x: jax.Array, w: jax.Array, precision: Precision) -> bool:
+def _uses_cpu_kernel(x: jax.Array, w: jax.Array, precision: Precision,
+                     transposed: bool) -> bool:
   """Whether ``matmul`` runs this call through ``kernels.cpu_matmul``: a
-  float32-activation mode, float32 or bf16 weights, at most
-  ``CPU_KERNEL_MAX_TOKENS`` tokens per sequence (``x [..., T, K]``)."""
+  float32-activation mode, float32 or bf16 weights stored ``[out, in]`` (the fast
+  modes' layers and every tied LM head), at most ``CPU_KERNEL_MAX_TOKENS`` tokens
+  per sequence (``x [..., T, K]``).
+
+  Weights stored ``[in, out]`` (the float32 mode's layers) keep XLA's dot: the
+  kernel reads that layout down strided columns, which on this project's CPU
+  made a float32 decode step slower (AR 26.0 -> 20.5 tok/s) although trees got
+  cheaper. The choice depends on the layer, never on T, so a layer computes a
+  token the same way in a decode step and in a tree."""
   tokens = x.shape[-2] if x.ndim >= 2 else 1
-  return (precision.dtype == jnp.float32 and tokens <= CPU_KERNEL_MAX_TOKENS
+  return (transposed and precision.dtype == jnp.float32
+          and tokens <= CPU_KERNEL_MAX_TOKENS
           and jnp.dtype(w.dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
           and cpu_kernel_active())
 
@@ -227,7 +236,7 @@ def matmul(x: jax.Array, w: jax.Array, precision: Precision, *,
   lead = x.shape[:-1]
   rows = x.reshape(-1, x.shape[-1])
   m = rows.shape[0]
-  if _uses_cpu_kernel(x, w, precision):
+  if _uses_cpu_kernel(x, w, precision, transposed):
     out = cpu_matmul.rows_matmul(rows.astype(jnp.float32), w, transposed)
   elif precision.dot == "native":
     out = jax.lax.dot_general(rows.astype(w.dtype), w, (contract, ((), ())),
