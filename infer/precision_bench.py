@@ -21,7 +21,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -29,20 +28,11 @@ import jax.numpy as jnp
 import dart_jax as dj
 from dart_jax.models import precision
 from dart_jax import tree_budget
+from kernels import timing
 
 DOT_SHAPES = {"lm_head": (576, 49152), "mlp_up": (576, 1536), "mlp_down": (1536, 576)}
 ROWS = (1, 2, 9, 16, 32, 64, 128, 512)
 MODES = ("float32", "fast")
-
-
-def _time(fn, args, reps: int) -> list[float]:
-  jax.block_until_ready(fn(*args))
-  out = []
-  for _ in range(reps):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    out.append(time.perf_counter() - start)
-  return out
 
 
 def dot_table(reps: int, rows=ROWS) -> dict:
@@ -64,7 +54,7 @@ def dot_table(reps: int, rows=ROWS) -> dict:
       times = {f: [] for f in forms}
       for rep in range(reps):  # alternate forms so drift hits all alike
         for f in (forms if rep % 2 == 0 else reversed(list(forms))):
-          times[f] += _time(fns[f], (x, weights[f]), 1)
+          times[f] += timing.time_calls(fns[f], (x, weights[f]), 1)
       table[name][m] = {f: 1e3 * statistics.median(t) for f, t in times.items()}
   return table
 

@@ -97,3 +97,13 @@ def test_cpu_flags_decide_support(monkeypatch):
   assert cpu_matmul.cpu_supports_kernel() and not cpu_matmul.cpu_has_bf16_dot_unit()
   monkeypatch.setattr(cpu_matmul, "cpu_flags", lambda: frozenset({"avx", "amx_bf16"}))
   assert not cpu_matmul.cpu_supports_kernel() and cpu_matmul.cpu_has_bf16_dot_unit()
+
+
+@needs_kernel
+def test_bench_times_every_form(monkeypatch):
+  from kernels.cpu_matmul import bench  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(bench, "SHAPES", {"tiny": (16, 24)})
+  got = bench.table([1, 3], reps=1)["tiny"]
+  assert set(got) == {1, 3}
+  assert set(got[1]) == {"xla_f32_kn", "xla_f32_nk", "kernel_f32", "kernel_bf16"}
+  assert all(ms > 0 for row in got.values() for ms in row.values())
