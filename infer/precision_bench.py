@@ -108,6 +108,24 @@ def kernel_ab(reps: int, rounds: int = 2, sizes=(1, 2, 4, 8, 16, 32, 64),
       for setting, got in by_setting.items()} for mode, by_setting in runs.items()}
 
 
+def batched_ab(batch: int, new_tokens: int = 48, rounds: int = 2) -> dict:
+  """{"on"|"off": median new tokens/s}: plain decoding of ``batch`` chat prompts
+  (prefill included, as in regeneration) in the default mode, the CPU kernel on
+  and off alternating."""
+  target = dj.load_target()
+  prompts = [f"Write a short note about topic number {i}: rivers, code, or music."
+             for i in range(batch)]
+  rates = {"on": [], "off": []}
+  for rnd in range(rounds):
+    for setting in (("on", "off") if rnd % 2 == 0 else ("off", "on")):
+      with precision.cpu_kernel(setting == "on"):
+        jax.clear_caches()
+        dj.generate(target, prompts, max_new_tokens=8, eos_token_ids=())  # compiles
+        out = dj.generate(target, prompts, max_new_tokens=new_tokens, eos_token_ids=())
+        rates[setting].append(sum(len(t) for t in out.tokens) / out.stats.total_s)
+  return {setting: statistics.median(r) for setting, r in rates.items()}
+
+
 def kernel_report(ab: dict) -> str:
   sizes = list(next(iter(ab.values()))["on"]["verify_ms"])
   lines = ["CPU kernel on/off: target pass ms  T " + "  ".join(f"{t:>6}" for t in sizes)
@@ -151,6 +169,8 @@ def main(argv=None) -> int:
                  help="dots only (skip the embedded model's verify curves)")
   p.add_argument("--kernel-ab", action="store_true",
                  help="only the verify curves and AR rates with the CPU kernel on vs off")
+  p.add_argument("--batched-ab", type=int, default=0, metavar="B",
+                 help="with --kernel-ab: also plain decoding of B prompts at once")
   p.add_argument("--modes", default=",".join(MODES),
                  help="with --kernel-ab: the modes to time (default: float32,fast)")
   args = p.parse_args(argv)
@@ -159,6 +179,10 @@ def main(argv=None) -> int:
       p.error("--kernel-ab: the CPU kernel does not run here (kernels.cpu_matmul)")
     ab = kernel_ab(max(3, args.reps // 2), modes=tuple(args.modes.split(",")))
     print(kernel_report(ab))
+    if args.batched_ab:
+      ab["batched"] = {"batch": args.batched_ab, **batched_ab(args.batched_ab)}
+      print(f"batch {args.batched_ab} plain decoding, new tokens/s: kernel on "
+            f"{ab['batched']['on']:.1f}, off {ab['batched']['off']:.1f}")
     if args.json:
       with open(args.json, "w") as f:
         json.dump({"kernel_ab": ab, "devices": [str(d) for d in jax.devices()]}, f, indent=1)
