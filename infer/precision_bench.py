@@ -83,25 +83,33 @@ def ar_rates(reps: int, max_new_tokens: int = 64) -> dict:
   return {mode: statistics.median(r) for mode, r in rates.items()}
 
 
+def _alternating_kernel_settings(rounds: int):
+  """Yields "on" / "off" ``rounds`` times each (on, off, off, on, ...), with the CPU
+  kernel switched accordingly while the caller's block runs; clear jit caches in
+  the block so that programs are traced under the setting."""
+  for rnd in range(rounds):
+    for setting in (("on", "off") if rnd % 2 == 0 else ("off", "on")):
+      with precision.cpu_kernel(setting == "on"):
+        yield setting
+
+
 def kernel_ab(reps: int, rounds: int = 2, sizes=(1, 2, 4, 8, 16, 32, 64),
               modes=MODES) -> dict:
   """{mode: {"on"|"off": {"verify_ms": {T: ms}, "ar_tokens_per_s": float}}}: the
   CPU kernel on and off, alternating ``rounds`` times; medians over rounds."""
   targets = {mode: dj.load_target(dtype=mode) for mode in modes}
   runs = {mode: {s: [] for s in ("on", "off")} for mode in modes}
-  for rnd in range(rounds):
-    for setting in (("on", "off") if rnd % 2 == 0 else ("off", "on")):
-      with precision.cpu_kernel(setting == "on"):
-        for mode, target in targets.items():
-          jax.clear_caches()
-          curve = tree_budget.measure_verify_costs(target, sizes, reps=reps)
-          rates = []
-          for prompt in AR_PROMPTS:
-            for timed in (False, True):  # the first run compiles
-              out = dj.generate(target, prompt, max_new_tokens=64, eos_token_ids=())
-              if timed:
-                rates.append(out.stats.tokens_per_s)
-          runs[mode][setting].append((curve, statistics.median(rates)))
+  for setting in _alternating_kernel_settings(rounds):
+    for mode, target in targets.items():
+      jax.clear_caches()
+      curve = tree_budget.measure_verify_costs(target, sizes, reps=reps)
+      rates = []
+      for prompt in AR_PROMPTS:
+        for timed in (False, True):  # the first run compiles
+          out = dj.generate(target, prompt, max_new_tokens=64, eos_token_ids=())
+          if timed:
+            rates.append(out.stats.tokens_per_s)
+      runs[mode][setting].append((curve, statistics.median(rates)))
   return {mode: {setting: {
       "verify_ms": {t: 1e3 * statistics.median(c[t] for c, _ in got) for t in sizes},
       "ar_tokens_per_s": statistics.median(r for _, r in got)}
@@ -116,13 +124,11 @@ def batched_ab(batch: int, new_tokens: int = 48, rounds: int = 2) -> dict:
   prompts = [f"Write a short note about topic number {i}: rivers, code, or music."
              for i in range(batch)]
   rates = {"on": [], "off": []}
-  for rnd in range(rounds):
-    for setting in (("on", "off") if rnd % 2 == 0 else ("off", "on")):
-      with precision.cpu_kernel(setting == "on"):
-        jax.clear_caches()
-        dj.generate(target, prompts, max_new_tokens=8, eos_token_ids=())  # compiles
-        out = dj.generate(target, prompts, max_new_tokens=new_tokens, eos_token_ids=())
-        rates[setting].append(sum(len(t) for t in out.tokens) / out.stats.total_s)
+  for setting in _alternating_kernel_settings(rounds):
+    jax.clear_caches()
+    dj.generate(target, prompts, max_new_tokens=8, eos_token_ids=())  # compiles
+    out = dj.generate(target, prompts, max_new_tokens=new_tokens, eos_token_ids=())
+    rates[setting].append(sum(len(t) for t in out.tokens) / out.stats.total_s)
   return {setting: statistics.median(r) for setting, r in rates.items()}
 
 

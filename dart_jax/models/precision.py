@@ -208,10 +208,10 @@ def _uses_cpu_kernel(x: jax.Array, w: jax.Array, precision: Precision,
   modes' layers and every tied LM head), at most ``CPU_KERNEL_MAX_TOKENS`` tokens
   per sequence (``x [..., T, K]``).
 
-  Weights stored ``[in, out]`` (the float32 mode's layers) keep XLA's dot: the
-  kernel reads that layout down strided columns, which on this project's CPU
-  made a float32 decode step slower (AR 26.0 -> 20.5 tok/s) although trees got
-  cheaper. The choice depends on the layer, never on T, so a layer computes a
+  Weights stored ``[in, out]`` (the float32 mode's layers) keep XLA's dot: a
+  kernel for that layout read it down strided columns, which on this project's
+  CPU made a float32 decode step slower (AR 26.0 -> 20.5 tok/s) although trees
+  got cheaper, so it was removed. The choice depends on the layer, never on T, so a layer computes a
   token the same way in a decode step and in a tree."""
   tokens = x.shape[-2] if x.ndim >= 2 else 1
   return (transposed and precision.dtype == jnp.float32
@@ -237,7 +237,7 @@ def matmul(x: jax.Array, w: jax.Array, precision: Precision, *,
   rows = x.reshape(-1, x.shape[-1])
   m = rows.shape[0]
   if _uses_cpu_kernel(x, w, precision, transposed):
-    out = cpu_matmul.rows_matmul(rows.astype(jnp.float32), w, transposed)
+    out = cpu_matmul.rows_matmul(rows.astype(jnp.float32), w)
   elif precision.dot == "native":
     out = jax.lax.dot_general(rows.astype(w.dtype), w, (contract, ((), ())),
                               preferred_element_type=precision.dtype)

@@ -1,8 +1,8 @@
 """Dense-layer dots for x86-64 CPUs (AVX2 + FMA): an XLA FFI kernel and its reference.
 
-``rows_matmul(x, w, transposed)`` computes ``x @ w`` (``w [K, N]``) or ``x @ w.T``
-(``transposed``: ``w [N, K]``, the checkpoint layout) for float32 ``x [M, K]`` and
-float32 or bfloat16 ``w``, in float32 (bf16 weights widened exactly). Each output
+``rows_matmul(x, w)`` computes ``x @ w.T`` for float32 ``x [M, K]`` and float32 or
+bfloat16 ``w [N, K]`` (the checkpoint layout), in float32 (bf16 weights widened
+exactly). Each output
 is computed the same way whatever M is, so a model's numbers for a token do not
 depend on how many tokens one call holds; see ``rows_matmul.cc`` for why this is
 faster than XLA:CPU's dot at 2-64 rows.
@@ -34,11 +34,9 @@ log = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).with_name("rows_matmul.cc")
 ENV_SWITCH = "DART_JAX_CPU_MATMUL"
-_TARGETS = {  # (transposed, weight dtype) -> (FFI target name, library symbol)
-    (True, jnp.dtype(jnp.float32)): ("dart_rows_matmul_nk_f32", "DartRowsMatmulNKF32"),
-    (True, jnp.dtype(jnp.bfloat16)): ("dart_rows_matmul_nk_bf16", "DartRowsMatmulNKBF16"),
-    (False, jnp.dtype(jnp.float32)): ("dart_rows_matmul_kn_f32", "DartRowsMatmulKNF32"),
-    (False, jnp.dtype(jnp.bfloat16)): ("dart_rows_matmul_kn_bf16", "DartRowsMatmulKNBF16"),
+_TARGETS = {  # weight dtype -> (FFI target name, library symbol)
+    jnp.dtype(jnp.float32): ("dart_rows_matmul_f32", "DartRowsMatmulF32"),
+    jnp.dtype(jnp.bfloat16): ("dart_rows_matmul_bf16", "DartRowsMatmulBF16"),
 }
 
 
@@ -129,38 +127,33 @@ def available() -> bool:
   return True
 
 
-def rows_matmul_reference(x: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
+def rows_matmul_reference(x: jax.Array, w: jax.Array) -> jax.Array:
   """What ``rows_matmul`` computes, as an XLA dot (float32 accumulation).
 
-  x: [M, K] float32; w: [N, K] if ``transposed`` else [K, N] -> [M, N] float32.
+  x: [M, K] float32; w: [N, K] -> [M, N] float32.
   """
-  contract = ((1,), (1,)) if transposed else ((1,), (0,))
   return jax.lax.dot_general(x.astype(jnp.float32), w.astype(jnp.float32),
-                             (contract, ((), ())), preferred_element_type=jnp.float32)
+                             (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def rows_matmul(x: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
-  """``x @ w`` (``w [K, N]``) or ``x @ w.T`` (``transposed``, ``w [N, K]``) with the
-  FFI kernel; call only when ``available()``.
+@jax.custom_jvp
+def rows_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+  """``x @ w.T`` with the FFI kernel; call only when ``available()``.
 
-  x: [M, K] float32; w: float32 or bfloat16 -> [M, N] float32.
+  x: [M, K] float32; w: [N, K] float32 or bfloat16 -> [M, N] float32.
   Differentiable: derivatives use ``rows_matmul_reference``.
   """
-  name, _ = _TARGETS[(transposed, jnp.dtype(w.dtype))]
-  n = w.shape[0] if transposed else w.shape[1]
-  return jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
+  name, _ = _TARGETS[jnp.dtype(w.dtype)]
+  return jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32),
                           vmap_method="sequential")(x, w)
 
 
 @rows_matmul.defjvp
-def _rows_matmul_jvp(transposed, primals, tangents):
+def _rows_matmul_jvp(primals, tangents):
   x, w = primals
   dx, dw = tangents
-  out = rows_matmul(x, w, transposed)
-  d_out = (rows_matmul_reference(dx, w, transposed)
-           + rows_matmul_reference(x, dw.astype(jnp.float32), transposed))
-  return out, d_out
+  d_out = rows_matmul_reference(dx, w) + rows_matmul_reference(x, dw.astype(jnp.float32))
+  return rows_matmul(x, w), d_out
 
 
 __all__ = ["rows_matmul", "rows_matmul_reference", "available", "cpu_flags",

@@ -30,9 +30,8 @@ def table(rows, reps: int) -> dict:
       "xla_f32_kn": (False, jnp.float32, jax.jit(lambda x, w: x @ w)),
       "xla_f32_nk": (True, jnp.float32, jax.jit(
           lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))))),
-      "kernel_f32": (True, jnp.float32, jax.jit(lambda x, w: cpu_matmul.rows_matmul(x, w, True))),
-      "kernel_bf16": (True, jnp.bfloat16, jax.jit(
-          lambda x, w: cpu_matmul.rows_matmul(x, w, True))),
+      "kernel_f32": (True, jnp.float32, jax.jit(cpu_matmul.rows_matmul)),
+      "kernel_bf16": (True, jnp.bfloat16, jax.jit(cpu_matmul.rows_matmul)),
   }
   rng = np.random.default_rng(0)
   out = {}

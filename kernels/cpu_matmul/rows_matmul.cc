@@ -1,22 +1,21 @@
 // Dense-layer dots for the row counts of decoding and tree verification on
 // x86-64 CPUs with AVX2 + FMA, as XLA FFI custom calls:
-//   DartRowsMatmulNK{F32,BF16}: out[m, n] = sum_k x[m, k] * w[n, k]  (w [N, K])
-//   DartRowsMatmulKN{F32,BF16}: out[m, n] = sum_k x[m, k] * w[k, n]  (w [K, N])
-// x and out are float32; w is float32 or bfloat16 (widened exactly to float32).
+//   DartRowsMatmul{F32,BF16}: out[m, n] = sum_k x[m, k] * w[n, k]  (w [N, K])
+// x and out are float32; w is float32 or bfloat16 (widened exactly to float32),
+// stored [out, in] (the checkpoint layout).
 //
 // Why: XLA:CPU reads a weight matrix quickly for one row (its own matrix-vector
 // loop) but runs two or more rows through a packing GEMM whose cost, on a CPU
 // without AMX, grows far faster than the bytes it reads (a 576 x 49152 LM head:
 // 3-5 ms for one row, 13-28 ms for nine). At 1-64 rows a dense layer is bound
-// by reading its weights once; these loops do that, each block of weights
+// by reading its weights once; this loop does that, each block of weight rows
 // reused from L1 by every tile of rows.
 //
-// Numerics: in NK every output is one 8-lane FMA chain over k in order, a fixed
-// lane tree, then the k tail in order; in KN every output is one FMA chain over
-// k in order. Neither depends on M or on the tiling, so a model's output for a
-// token does not depend on how many tokens the call holds: a tree verified in
-// one pass gets the logits that decoding its tokens one by one would (what
-// keeps speculative decoding lossless).
+// Numerics: every output is one 8-lane FMA chain over k in order, a fixed lane
+// tree, then the k tail in order. That does not depend on M or on the tiling,
+// so a model's output for a token does not depend on how many tokens the call
+// holds: a tree verified in one pass gets the logits that decoding its tokens
+// one by one would (what keeps speculative decoding lossless).
 
 #include <immintrin.h>
 
@@ -60,13 +59,11 @@ inline float LaneSum(__m256 v) {
 }
 
 constexpr int kRowTile = 3;  // rows of x per tile (3 x 4 accumulators + loads fit 16 ymm)
-constexpr int kColTile = 4;  // weight rows (NK) or 8-column groups (KN) per tile
-
-// ---------------------------------------------------------------- w [N, K]
+constexpr int kColTile = 4;  // weight rows per tile
 
 // out[r, c] for R rows of x against C consecutive weight rows at w.
 template <int R, int C, typename W>
-inline void TileNK(const float* x, const W* w, float* out, int64_t k_dim, int64_t n_dim) {
+inline void Tile(const float* x, const W* w, float* out, int64_t k_dim, int64_t n_dim) {
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
@@ -89,51 +86,22 @@ inline void TileNK(const float* x, const W* w, float* out, int64_t k_dim, int64_
   }
 }
 
-// ---------------------------------------------------------------- w [K, N]
-
-// out[r, 8c:8c+8] for R rows of x against the 8C weight columns at w.
-template <int R, int C, typename W>
-inline void TileKN(const float* x, const W* w, float* out, int64_t k_dim, int64_t n_dim) {
-  __m256 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < k_dim; ++k) {
-    __m256 wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = Load8(w + k * n_dim + 8 * c);
-    for (int r = 0; r < R; ++r) {
-      __m256 xb = _mm256_set1_ps(x[r * k_dim + k]);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xb, wv[c], acc[r][c]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + r * n_dim + 8 * c, acc[r][c]);
-}
-
-// ---------------------------------------------------------------- both layouts
-
-// Every row of x against one block of weights (C rows in NK, 8C columns in KN;
-// out points at the block's first column): tiles of kRowTile rows, then single rows.
-template <bool kNK, int C, typename W>
+// Every row of x against the C weight rows at w (out points at their first
+// column): tiles of kRowTile rows, then single rows.
+template <int C, typename W>
 inline void Column(const float* x, const W* w, float* out, int64_t m_dim,
                    int64_t k_dim, int64_t n_dim) {
-  auto tile = [&](auto rows, int64_t m) {
-    constexpr int R = decltype(rows)::value;
-    if constexpr (kNK) {
-      TileNK<R, C>(x + m * k_dim, w, out + m * n_dim, k_dim, n_dim);
-    } else {
-      TileKN<R, C>(x + m * k_dim, w, out + m * n_dim, k_dim, n_dim);
-    }
-  };
   int64_t m = 0;
-  for (; m + kRowTile <= m_dim; m += kRowTile) tile(std::integral_constant<int, kRowTile>(), m);
-  for (; m < m_dim; ++m) tile(std::integral_constant<int, 1>(), m);
+  for (; m + kRowTile <= m_dim; m += kRowTile)
+    Tile<kRowTile, C>(x + m * k_dim, w, out + m * n_dim, k_dim, n_dim);
+  for (; m < m_dim; ++m) Tile<1, C>(x + m * k_dim, w, out + m * n_dim, k_dim, n_dim);
 }
 
 // Output columns [n_begin, n_end). With bfloat16 weights and more than one row
 // tile, each block of weight rows is widened once into a float32 buffer, so the
 // conversion is not repeated per row tile.
 template <typename W>
-void RangeNK(const float* x, const W* w, float* out, int64_t m_dim, int64_t k_dim,
+void Range(const float* x, const W* w, float* out, int64_t m_dim, int64_t k_dim,
              int64_t n_dim, int64_t n_begin, int64_t n_end) {
   const bool widen_once = std::is_same_v<W, uint16_t> && m_dim > kRowTile;
   thread_local std::vector<float> block;
@@ -141,35 +109,18 @@ void RangeNK(const float* x, const W* w, float* out, int64_t m_dim, int64_t k_di
   int64_t n = n_begin;
   if (m_dim == 1) {  // one row: more weight rows in flight hide FMA latency
     for (; n + 2 * kColTile <= n_end; n += 2 * kColTile)
-      TileNK<1, 2 * kColTile>(x, w + n * k_dim, out + n, k_dim, n_dim);
+      Tile<1, 2 * kColTile>(x, w + n * k_dim, out + n, k_dim, n_dim);
   }
   for (; n + kColTile <= n_end; n += kColTile) {
     const W* wn = w + n * k_dim;
     if (widen_once) {
       for (int64_t i = 0; i < kColTile * k_dim; ++i) block[i] = Widen(wn[i]);
-      Column<true, kColTile>(x, block.data(), out + n, m_dim, k_dim, n_dim);
+      Column<kColTile>(x, block.data(), out + n, m_dim, k_dim, n_dim);
     } else {
-      Column<true, kColTile>(x, wn, out + n, m_dim, k_dim, n_dim);
+      Column<kColTile>(x, wn, out + n, m_dim, k_dim, n_dim);
     }
   }
-  for (; n < n_end; ++n) Column<true, 1>(x, w + n * k_dim, out + n, m_dim, k_dim, n_dim);
-}
-
-template <typename W>
-void RangeKN(const float* x, const W* w, float* out, int64_t m_dim, int64_t k_dim,
-             int64_t n_dim, int64_t n_begin, int64_t n_end) {
-  int64_t n = n_begin;
-  for (; n + 8 * kColTile <= n_end; n += 8 * kColTile)
-    Column<false, kColTile>(x, w + n, out + n, m_dim, k_dim, n_dim);
-  for (; n + 8 <= n_end; n += 8) Column<false, 1>(x, w + n, out + n, m_dim, k_dim, n_dim);
-  for (; n < n_end; ++n) {  // the same FMA chain as one vector lane
-    for (int64_t m = 0; m < m_dim; ++m) {
-      float sum = 0.0f;
-      for (int64_t k = 0; k < k_dim; ++k)
-        sum = std::fmaf(x[m * k_dim + k], Widen(w[k * n_dim + n]), sum);
-      out[m * n_dim + n] = sum;
-    }
-  }
+  for (; n < n_end; ++n) Column<1>(x, w + n * k_dim, out + n, m_dim, k_dim, n_dim);
 }
 
 // ---------------------------------------------------------------- threads
@@ -181,8 +132,8 @@ struct Work {
 
 // Runs range(n_begin, n_end) over [0, n_dim) in chunks of `chunk` columns on
 // the calling thread and the XLA intra-op pool's other threads.
-template <typename Range>
-void Parallel(ffi::ThreadPool& pool, int64_t n_dim, int64_t chunk, Range range) {
+template <typename Fn>
+void Parallel(ffi::ThreadPool& pool, int64_t n_dim, int64_t chunk, Fn range) {
   const int64_t chunks = (n_dim + chunk - 1) / chunk;
   const int64_t helpers =
       std::max<int64_t>(0, std::min<int64_t>(pool.num_threads() - 1, chunks - 1));
@@ -200,44 +151,34 @@ void Parallel(ffi::ThreadPool& pool, int64_t n_dim, int64_t chunk, Range range) 
   while (work->active.load() != 0) std::this_thread::yield();
 }
 
-template <bool kNK, ffi::DataType WT>
+template <ffi::DataType WT>
 ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
                       ffi::ResultBuffer<ffi::F32> out) {
   using W = std::conditional_t<WT == ffi::F32, float, uint16_t>;
   auto xd = x.dimensions();
   auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[kNK ? 1 : 0])
-    return ffi::Error::InvalidArgument(
-        kNK ? "rows_matmul: expected x [M, K] and w [N, K]"
-            : "rows_matmul: expected x [M, K] and w [K, N]");
-  const int64_t m_dim = xd[0], k_dim = xd[1], n_dim = wd[kNK ? 0 : 1];
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
+    return ffi::Error::InvalidArgument("rows_matmul: expected x [M, K] and w [N, K]");
+  const int64_t m_dim = xd[0], k_dim = xd[1], n_dim = wd[0];
   const float* xp = x.typed_data();
   const W* wp = reinterpret_cast<const W*>(w.untyped_data());
   float* op = out->typed_data();
   if (m_dim == 0 || n_dim == 0) return ffi::Error::Success();
-  if constexpr (kNK) {
-    Parallel(pool, n_dim, kColTile * 16, [=](int64_t b, int64_t e) {
-      RangeNK(xp, wp, op, m_dim, k_dim, n_dim, b, e);
-    });
-  } else {
-    Parallel(pool, n_dim, 8 * kColTile * 4, [=](int64_t b, int64_t e) {
-      RangeKN(xp, wp, op, m_dim, k_dim, n_dim, b, e);
-    });
-  }
+  Parallel(pool, n_dim, kColTile * 16, [=](int64_t b, int64_t e) {
+    Range(xp, wp, op, m_dim, k_dim, n_dim, b, e);
+  });
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-#define DART_ROWS_MATMUL(NAME, NK, WT)                                       \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, (RowsMatmul<NK, WT>),                 \
+#define DART_ROWS_MATMUL(NAME, WT)                                           \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, RowsMatmul<WT>,                       \
                                 ffi::Ffi::Bind()                             \
                                     .Ctx<ffi::ThreadPool>()                  \
                                     .Arg<ffi::Buffer<ffi::F32>>()            \
                                     .Arg<ffi::Buffer<WT>>()                  \
                                     .Ret<ffi::Buffer<ffi::F32>>());
 
-DART_ROWS_MATMUL(DartRowsMatmulNKF32, true, ffi::F32)
-DART_ROWS_MATMUL(DartRowsMatmulNKBF16, true, ffi::BF16)
-DART_ROWS_MATMUL(DartRowsMatmulKNF32, false, ffi::F32)
-DART_ROWS_MATMUL(DartRowsMatmulKNBF16, false, ffi::BF16)
+DART_ROWS_MATMUL(DartRowsMatmulF32, ffi::F32)
+DART_ROWS_MATMUL(DartRowsMatmulBF16, ffi::BF16)

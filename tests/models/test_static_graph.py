@@ -1,6 +1,7 @@
 """static_graph: graph definitions that hash once, equal to flax's."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +29,7 @@ def test_a_jitted_function_compiles_once_for_equal_static_graphdefs():
   graphdef, params = _graphdef()
   traces = []
 
-  @functools_partial_static
+  @functools.partial(jax.jit, static_argnums=0)
   def apply(graphdef, params, x):
     traces.append(1)
     return nnx.merge(graphdef, params)(x)
@@ -38,10 +39,6 @@ def test_a_jitted_function_compiles_once_for_equal_static_graphdefs():
   two = apply(static_graph.static_graphdef(_graphdef()[0]), params, x)  # equal, new object
   assert len(traces) == 1
   assert jnp.array_equal(one, nnx.merge(graphdef, params)(x)) and jnp.array_equal(one, two)
-
-
-def functools_partial_static(fn):
-  return jax.jit(fn, static_argnums=0)
 
 
 def test_frozen_dataclass_fields_named_graphdef_are_converted():
