@@ -20,8 +20,10 @@ CONFIG = ModelConfig(arch="llama", vocab_size=97, hidden_size=32, intermediate_s
 
 @pytest.fixture
 def xla_dots(monkeypatch):
-  """The XLA dot forms themselves, where the CPU kernel would otherwise run."""
+  """The XLA bf16 dot forms themselves, where the CPU kernel or widened weights
+  would otherwise run."""
   monkeypatch.setattr(precision, "cpu_kernel_active", lambda: False)
+  monkeypatch.setattr(precision, "_widens_weights", lambda w, p: False)
 
 
 def _activations(m, k, seed=0):
@@ -172,3 +174,25 @@ def test_kernel_dots_are_bitwise_the_same_for_one_token_and_a_tree(mode):
   tree = np.asarray(dot(x))
   for b, t in ((0, 0), (1, 5), (1, 32)):
     np.testing.assert_array_equal(np.asarray(dot(x[b:b + 1, t:t + 1]))[0, 0], tree[b, t])
+
+
+def _dot_operand_dtypes(fn, *args) -> set[str]:
+  jaxpr = jax.make_jaxpr(fn)(*args)
+  return {str(v.aval.dtype) for eqn in jaxpr.eqns if eqn.primitive.name == "dot_general"
+          for v in eqn.invars}
+
+
+@pytest.mark.parametrize("bf16_unit", [False, True])
+def test_long_calls_widen_bf16_weights_only_without_a_bf16_dot_unit(monkeypatch, bf16_unit):
+  """Above the kernel's token limit (prefill, training features) a CPU without a
+  bf16 dot unit runs the float32 dot of the exactly widened weights (XLA:CPU's
+  bf16 dots have no fast path there); with one, the split3 bf16 dot."""
+  monkeypatch.setattr(precision.cpu_matmul, "cpu_has_bf16_dot_unit", lambda: bf16_unit)
+  tokens = precision.CPU_KERNEL_MAX_TOKENS + 1
+  w = jnp.asarray(np.random.default_rng(9).standard_normal((40, 96)) * 0.05, jnp.bfloat16)
+  x = jnp.asarray(_activations(tokens, 96, seed=10))[None]  # [1, T, K]
+  dot = lambda a: matmul(a, w, FAST, transposed=True)
+  assert _dot_operand_dtypes(dot, x) == ({"bfloat16"} if bf16_unit else {"float32"})
+  if not bf16_unit:
+    want = jax.lax.dot_general(x[0], w.astype(jnp.float32), (((1,), (1,)), ((), ())))
+    np.testing.assert_array_equal(np.asarray(jax.jit(dot)(x))[0], np.asarray(want))
