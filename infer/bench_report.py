@@ -76,9 +76,31 @@ def summarize(rows: list[dict], methods: Sequence[str], temperature: float) -> d
         "phased_round_ms": sum(phases.values()),
         "ar_ms_per_step": summary.get("ar", {}).get("ms_per_round"),
         "matches_ar": sum(bool(p.get("matches_ar")) for p in profiles),
+        **_round_costs(phases["verify"], summary.get(name, {}).get("ms_per_round"),
+                       summary.get("ar", {}).get("ms_per_round")),
     }
   summary["greedy"] = temperature <= 0
   return summary
+
+
+def _round_costs(verify_ms: float, fused_round_ms: float | None,
+                 ar_step_ms: float | None) -> dict:
+  """What a round costs beyond its verify pass, against an AR step.
+
+  The phases are compiled one by one in the profile mode; normal decoding runs
+  the round as one program, where search, accept and draft overlap and share
+  one dispatch. So the round's own overhead is the fused round's ms minus the
+  verify phase's (noisy: two runs; it can come out slightly negative).
+  """
+  out = {"fused_round_ms": fused_round_ms, "fused_overhead_ms": None,
+         "verify_over_ar_step": None, "fused_overhead_over_ar_step": None}
+  if fused_round_ms is not None:
+    out["fused_overhead_ms"] = fused_round_ms - verify_ms
+  if ar_step_ms:
+    out["verify_over_ar_step"] = verify_ms / ar_step_ms
+    if out["fused_overhead_ms"] is not None:
+      out["fused_overhead_over_ar_step"] = out["fused_overhead_ms"] / ar_step_ms
+  return out
 
 
 def greedy_mismatches(runs: list[dict], strict_methods: Sequence[str] = LOSSLESS_METHODS
@@ -138,7 +160,11 @@ def format_table(runs: list[dict]) -> str:
           f"{'':<24} {name} ms/round: search {ph['search']:.1f}, verify {ph['verify']:.1f}, "
           f"accept {ph['accept']:.1f}, draft {ph['draft']:.1f} "
           f"(sum {prof['phased_round_ms']:.1f}); "
-          f"ar ms/step {_fmt(prof['ar_ms_per_step'], '.1f')}")
+          f"ar ms/step {_fmt(prof['ar_ms_per_step'], '.1f')}; "
+          f"verify / ar step {_fmt(prof['verify_over_ar_step'])}; fused round "
+          f"{_fmt(prof['fused_round_ms'], '.1f')} = verify + "
+          f"{_fmt(prof['fused_overhead_ms'], '.1f')} "
+          f"({_fmt(prof['fused_overhead_over_ar_step'], '.0%')} of an ar step)")
   return "\n".join(lines)
 
 

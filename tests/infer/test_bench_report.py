@@ -57,6 +57,13 @@ def test_summarize_profiles_every_method_by_hand():
   assert dart["phased_round_ms"] == pytest.approx(410.0, rel=1e-12)
   assert (dart["prompts"], dart["rounds"], dart["matches_ar"]) == (2, 10, 2)
   assert dart["ar_ms_per_step"] == s["ar"]["ms_per_round"]
+  # The fused round (unprofiled) minus the profiled verify phase, against AR.
+  fused = s["dart"]["ms_per_round"]
+  assert dart["fused_round_ms"] == fused
+  assert dart["fused_overhead_ms"] == pytest.approx(fused - 200.0, rel=1e-12)
+  assert dart["verify_over_ar_step"] == pytest.approx(200.0 / s["ar"]["ms_per_round"])
+  assert dart["fused_overhead_over_ar_step"] == pytest.approx(
+      (fused - 200.0) / s["ar"]["ms_per_round"])
   tree = s["profile"]["dartree"]
   assert (tree["prompts"], tree["rounds"], tree["matches_ar"]) == (1, 2, 0)
   assert tree["phase_ms_per_round"]["verify"] == pytest.approx(100.0, rel=1e-12)
