@@ -42,6 +42,7 @@ from dart_jax.draft.dart_gru import DartGruConfig, DartGruDrafter
 from dart_jax.draft.dart_head import DartConfig, DartHead
 from dart_jax.draft.dflash import DFlashConfig, DFlashDrafter
 from dart_jax.errors import CheckpointError, ConfigError
+from dart_jax.models import precision as precision_lib
 from train import data as data_lib
 from train import features as features_lib
 from train import objectives
@@ -306,6 +307,19 @@ def _load_target(config: TrainConfig):
                         else config.target.dtype)
 
 
+def _drafter_target(target):
+  """``target`` as the trainable drafter is built against.
+
+  A drafter takes its layout from its target's mode: in the CPU fast mode its
+  dense layers store ``weight [out, in]``. The objectives' ``merge`` rebuilds the
+  drafter inside the step in the uniform mode of the compute dtype, ``kernel
+  [in, out]``. So the drafter to train is made (fresh or loaded) against the
+  uniform mode of the target's dtype; the target itself keeps its mode for the
+  features.
+  """
+  return dataclasses.replace(target, precision=precision_lib.of_dtype(target.dtype))
+
+
 def _target_features(config: TrainConfig, target, rows: data_lib.Rows, head,
                      settings: StepSettings, workdir: str) -> features_lib.FeatureStore:
   """The cached frozen-target features of the training rows (built on first use)."""
@@ -404,7 +418,7 @@ def train(config: TrainConfig, workdir: str, *,
       os.path.join(workdir, "data_cache") if config.data.cache else None,
       write_cache=is_main)
   objective = objectives.for_kind(config.head.kind)
-  head = objective.make(config, target, prepared.train)
+  head = objective.make(config, _drafter_target(target), prepared.train)
   head.check_target(target)
   if is_main:
     with open(os.path.join(workdir, "config.json"), "w") as f:

@@ -183,3 +183,31 @@ def test_sigkilled_twice_then_rerun_equals_the_uninterrupted_run(full_run, tmp_p
   assert set(ours) == set(reference)
   for name in reference:
     np.testing.assert_allclose(ours[name], reference[name], rtol=0, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("continued", [False, True])
+def test_a_head_trains_against_a_fast_mode_target(full_run, tmp_path, continued):
+  """In the CPU fast mode a drafter's layers are stored ``[out, in]``, while the
+  step rebuilds the head in its compute mode: a fresh head and one continued from
+  an export (``head.init_from``) both train, and the export drafts losslessly for
+  the fast target."""
+  import dart_jax as dj
+
+  extra = ["target.dtype=fast", "steps=4", "eval_every=4", "checkpoint_every=4",
+           "log_every=1"]
+  if continued:
+    extra.append(f"head.init_from={os.path.join(full_run, 'export')}")
+  workdir = run_preset("tiny", str(tmp_path), extra)
+  train = [r for r in _records(workdir) if r["split"] == "train"]
+  assert [r["step"] for r in train] == [1, 2, 3, 4]
+  assert all(np.isfinite(r["loss"]) for r in train)
+  full_train = [r for r in _records(full_run) if r["split"] == "train"]
+  if continued:  # it starts where the 60-step run ended, far below a fresh head
+    assert train[0]["loss"] < 0.8 * full_train[0]["loss"]
+  else:
+    assert train[0]["loss"] > 0.9 * full_train[0]["loss"]
+  target = dj.load_target(configs.TINY_TARGET, dtype="fast")
+  head = dj.load_dart(os.path.join(workdir, "export"), target)
+  prompt = "What is the capital of France?"
+  plain = dj.generate(target, prompt, max_new_tokens=12)
+  assert dj.generate(target, prompt, draft=head, max_new_tokens=12).tokens == plain.tokens
