@@ -5,7 +5,11 @@
 
 Each file is a run's ``metrics.jsonl``; a later stage (a run continued with
 ``head.init_from``) restarts its step count, so its steps are shifted to follow
-the previous stage's last step (dotted lines mark the stage ends). Left: train and eval loss; right: train top-1
+the previous stage's last step (dotted lines mark the stage ends). A file
+written by ``--merged`` (records with a ``stage`` field) stands for all of its
+stages, so a new stage can be appended to a shipped curve:
+
+  python -m train.curves merged.jsonl runs/stage6/metrics.jsonl --out curve.png Left: train and eval loss; right: train top-1
 accuracy per draft level (DART) or block slot (DFlash / Domino).
 """
 
@@ -28,7 +32,9 @@ class Series(NamedTuple):
 
 
 def read_stages(paths: Sequence[str]) -> list[list[dict]]:
-  """The records of each ``metrics.jsonl``; InputError for a missing or empty file."""
+  """The records of each stage, in order: one stage per ``metrics.jsonl``, and
+  every stage of a merged file (``split_merged``); InputError for a missing or
+  empty file."""
   stages = []
   for path in paths:
     if not os.path.isfile(path):
@@ -37,7 +43,25 @@ def read_stages(paths: Sequence[str]) -> list[list[dict]]:
       records = [json.loads(line) for line in f if line.strip()]
     if not records:
       raise InputError(f"{path!r} holds no metrics")
-    stages.append(records)
+    stages.extend(split_merged(records) if "stage" in records[0] else [records])
+  return stages
+
+
+def split_merged(merged: Sequence[dict]) -> list[list[dict]]:
+  """The inverse of ``merge_stages``: each stage's records with its own steps.
+
+  A stage's global steps start after the previous stage's last step, which is
+  the largest global step among the previous stage's records.
+  """
+  by_stage: dict[int, list[dict]] = {}
+  for record in merged:
+    by_stage.setdefault(record["stage"], []).append(record)
+  stages, offset = [], 0
+  for index in sorted(by_stage):
+    records = by_stage[index]
+    stages.append([{k: v for k, v in r.items() if k != "stage"} | {"step": r["step"] - offset}
+                   for r in records])
+    offset = max(r["step"] for r in records)
   return stages
 
 

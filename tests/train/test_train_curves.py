@@ -33,6 +33,19 @@ def test_later_stages_continue_the_step_count(tmp_path):
   assert curves.series(merged, "eval").steps == [10, 18]
 
 
+def test_a_merged_file_stands_for_its_stages(tmp_path):
+  first = [_record("train", 5, 9.0), _record("eval", 10, 8.5)]
+  second = [_record("train", 4, 7.0), _record("train", 8, 6.0)]
+  merged, _ = curves.merge_stages([first, second])
+  merged_path = _write(tmp_path / "merged.jsonl", merged)
+  third = _write(tmp_path / "c.jsonl", [_record("train", 3, 5.0)])
+  stages = curves.read_stages([merged_path, third])
+  assert stages == [first, second, [_record("train", 3, 5.0)]]
+  again, ends = curves.merge_stages(stages)
+  assert ends == [10, 18, 21]
+  assert again[:len(merged)] == merged
+
+
 def test_missing_or_empty_metrics_are_clear_errors(tmp_path):
   with pytest.raises(InputError, match="not found"):
     curves.read_stages([str(tmp_path / "nope.jsonl")])
