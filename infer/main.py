@@ -9,6 +9,7 @@ with ``--dart-gru DIR``). Speculative decoding gives the same output, faster.
 """
 
 import argparse
+import statistics
 import sys
 
 import dart_jax as dj
@@ -58,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--stats", action="store_true", help="print statistics to stderr")
   p.add_argument("--compare", action="store_true",
                  help="with a speculative method: also decode the prompt plainly, "
-                      "then run both once more now that they are compiled, and print "
-                      "both warm rates and the speedup (implies --stats)")
+                      "then run both 3 more times each, alternating, now that they "
+                      "are compiled, and print both median warm rates and the "
+                      "speedup (implies --stats)")
   precision.add_cli_flag(p)
   sharding.add_cli_flag(p)
   bench_options.add_dartree_args(p)
@@ -123,19 +125,33 @@ def stats_line(method: str, s) -> str:
           f"{s.time_to_first_token_s:.2f}s]")
 
 
+COMPARE_RUNS = 3
+
+
 def compare_line(target, args, method: str, kwargs: dict) -> str:
-  """Plain decoding of the same prompt (compiled by a first run), then one warm run
-  of each method: their tokens/s, as a new user's second call would see them."""
+  """Plain decoding of the same prompt (compiled by a first run), then
+  ``COMPARE_RUNS`` warm runs of each method, alternating (ar, method, method,
+  ar, ...) so that drift on a shared machine hits both alike: their median
+  tokens/s, as a new user's later calls would see them."""
   def run(**method_kwargs):
     return dj.generate(target, args.prompt, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                        seed=args.seed, chat=not args.no_chat, **method_kwargs).stats
 
   run()  # compiles plain decoding
-  plain, spec = run(), run(**kwargs)
-  speedup = spec.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else 0.0
-  return (f"[warm: {method} {spec.tokens_per_s:.1f} tok/s ({spec.mean_accept_len:.2f} "
-          f"tokens/round), ar {plain.tokens_per_s:.1f} tok/s: {speedup:.2f}x]")
+  rates = {"ar": [], method: []}
+  accept_lens = []
+  for index in range(COMPARE_RUNS):
+    for name in (("ar", method) if index % 2 == 0 else (method, "ar")):
+      stats = run() if name == "ar" else run(**kwargs)
+      rates[name].append(stats.tokens_per_s)
+      if name != "ar":
+        accept_lens.append(stats.mean_accept_len)
+  plain, spec = statistics.median(rates["ar"]), statistics.median(rates[method])
+  speedup = spec / plain if plain else 0.0
+  return (f"[warm, median of {COMPARE_RUNS} alternating runs: {method} {spec:.1f} tok/s "
+          f"({statistics.median(accept_lens):.2f} tokens/round), ar {plain:.1f} tok/s: "
+          f"{speedup:.2f}x]")
 
 
 def main(argv=None) -> int:

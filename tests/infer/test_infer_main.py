@@ -58,12 +58,22 @@ def test_cli_dartree_method_streams_the_ar_text(capsys):
   assert "[dartree: " in out.err and "tokens/round" in out.err
 
 
-def test_cli_compare_reports_both_methods_and_the_speedup(capsys):
+def test_cli_compare_reports_both_methods_and_the_speedup(capsys, monkeypatch):
+  calls, generate = [], dj.generate
+
+  def counted(*args, **kwargs):
+    calls.append("spec" if {"method", "draft"} & set(kwargs) else "ar")
+    return generate(*args, **kwargs)
+
+  monkeypatch.setattr(dj, "generate", counted)
   assert cli.main(["--prompt", _humaneval_prompt(), *RANDOM_DARTREE, "--compare"]) == 0
+  # Plain decoding compiled (the first call streams), then 3 warm runs each, alternating.
+  assert calls == ["ar", "ar", "spec", "spec", "ar", "ar", "spec"], calls
   err = capsys.readouterr().err.splitlines()
   assert err[-2].startswith("[dartree: 6 tokens")
-  assert re.fullmatch(r"\[warm: dartree \d+\.\d tok/s \(\d\.\d\d tokens/round\), "
-                      r"ar \d+\.\d tok/s: \d+\.\d\dx\]", err[-1]), err[-1]
+  assert re.fullmatch(r"\[warm, median of 3 alternating runs: dartree \d+\.\d tok/s "
+                      r"\(\d\.\d\d tokens/round\), ar \d+\.\d tok/s: \d+\.\d\dx\]",
+                      err[-1]), err[-1]
 
 
 @pytest.mark.parametrize("argv, message", [
