@@ -9,8 +9,10 @@ the previous stage's last step (dotted lines mark the stage ends). A file
 written by ``--merged`` (records with a ``stage`` field) stands for all of its
 stages, so a new stage can be appended to a shipped curve:
 
-  python -m train.curves merged.jsonl runs/stage6/metrics.jsonl --out curve.png Left: train and eval loss; right: train top-1
-accuracy per draft level (DART) or block slot (DFlash / Domino).
+  python -m train.curves merged.jsonl runs/stage6/metrics.jsonl --out curve.png
+
+Left: train and eval loss; right: train top-1 accuracy per draft level (DART) or
+block slot (DFlash / Domino).
 """
 
 import argparse
@@ -59,8 +61,8 @@ def split_merged(merged: Sequence[dict]) -> list[list[dict]]:
   stages, offset = [], 0
   for index in sorted(by_stage):
     records = by_stage[index]
-    stages.append([{k: v for k, v in r.items() if k != "stage"} | {"step": r["step"] - offset}
-                   for r in records])
+    stages.append([{**{k: v for k, v in r.items() if k != "stage"},
+                    "step": r["step"] - offset} for r in records])
     offset = max(r["step"] for r in records)
   return stages
 
