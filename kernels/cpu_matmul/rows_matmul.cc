@@ -62,15 +62,24 @@ constexpr int kRowTile = 3;  // rows of x per tile (3 x 4 accumulators + loads f
 constexpr int kColTile = 4;  // weight rows per tile
 
 // out[r, c] for R rows of x against C consecutive weight rows at w.
+// Optional, for the first row tile of a block of bf16 weights (see Range):
+// `stash` receives the C weight rows widened to float32 (for the other row
+// tiles), and `prefetch` is the next block of weight rows, one cache line of it
+// requested per step of 8 k (C bf16 rows x 8 k = 64 bytes: the whole block
+// over the loop), so that reading it from memory overlaps this tile's FMAs.
 template <int R, int C, typename W>
-inline void Tile(const float* x, const W* w, float* out, int64_t k_dim, int64_t n_dim) {
+inline void Tile(const float* x, const W* w, float* out, int64_t k_dim, int64_t n_dim,
+                 float* stash = nullptr, const char* prefetch = nullptr) {
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   const int64_t k_vec = k_dim & ~int64_t{7};
   for (int64_t k = 0; k < k_vec; k += 8) {
+    if (prefetch) _mm_prefetch(prefetch + k * C * sizeof(W), _MM_HINT_T0);
     __m256 wv[C];
     for (int c = 0; c < C; ++c) wv[c] = Load8(w + c * k_dim + k);
+    if (stash)
+      for (int c = 0; c < C; ++c) _mm256_storeu_ps(stash + c * k_dim + k, wv[c]);
     for (int r = 0; r < R; ++r) {
       __m256 xv = _mm256_loadu_ps(x + r * k_dim + k);
       for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
@@ -79,8 +88,10 @@ inline void Tile(const float* x, const W* w, float* out, int64_t k_dim, int64_t 
   for (int r = 0; r < R; ++r) {
     for (int c = 0; c < C; ++c) {
       float sum = LaneSum(acc[r][c]);
-      for (int64_t k = k_vec; k < k_dim; ++k)
+      for (int64_t k = k_vec; k < k_dim; ++k) {
+        if (stash && r == 0) stash[c * k_dim + k] = Widen(w[c * k_dim + k]);
         sum = std::fmaf(x[r * k_dim + k], Widen(w[c * k_dim + k]), sum);
+      }
       out[r * n_dim + c] = sum;
     }
   }
@@ -98,8 +109,13 @@ inline void Column(const float* x, const W* w, float* out, int64_t m_dim,
 }
 
 // Output columns [n_begin, n_end). With bfloat16 weights and more than one row
-// tile, each block of weight rows is widened once into a float32 buffer, so the
-// conversion is not repeated per row tile.
+// tile, the first row tile of each block of weight rows reads the bf16 rows and
+// stashes them widened in a float32 buffer that the other row tiles read, so
+// the conversion is not repeated per row tile; meanwhile it prefetches the next
+// block. Reading a block from memory in a separate pass before its FMAs left
+// the two unoverlapped (the weight stream and the FMAs took about equal time at
+// 9 rows); this overlap made a 9-row pass over the embedded model's layers
+// ~15% faster. The FMAs are the same, so the outputs are bitwise the same.
 template <typename W>
 void Range(const float* x, const W* w, float* out, int64_t m_dim, int64_t k_dim,
              int64_t n_dim, int64_t n_begin, int64_t n_end) {
@@ -114,8 +130,11 @@ void Range(const float* x, const W* w, float* out, int64_t m_dim, int64_t k_dim,
   for (; n + kColTile <= n_end; n += kColTile) {
     const W* wn = w + n * k_dim;
     if (widen_once) {
-      for (int64_t i = 0; i < kColTile * k_dim; ++i) block[i] = Widen(wn[i]);
-      Column<kColTile>(x, block.data(), out + n, m_dim, k_dim, n_dim);
+      const char* next = n + 2 * kColTile <= n_end
+          ? reinterpret_cast<const char*>(wn + kColTile * k_dim) : nullptr;
+      Tile<kRowTile, kColTile>(x, wn, out + n, k_dim, n_dim, block.data(), next);
+      Column<kColTile>(x + kRowTile * k_dim, block.data(), out + kRowTile * n_dim + n,
+                       m_dim - kRowTile, k_dim, n_dim);
     } else {
       Column<kColTile>(x, wn, out + n, m_dim, k_dim, n_dim);
     }
