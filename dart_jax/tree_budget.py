@@ -17,15 +17,25 @@ pieces for one method family (``TreeFamily``):
    ``reps`` repetitions that visit the sizes in alternating order (forward,
    then backward), so that drift on a shared machine hits every size alike.
 2. ``calibrate``: one short greedy run of the user's drafter on
-   ``CALIBRATION_PROMPT`` (not a benchmark prompt) with the largest candidate
-   tree, ``N_max`` nodes, gives the acceptance length ``L_max`` there; a
-   second, shorter and already compiled run gives the seconds per round, and
-   ``overhead = max(0, round_s - verify_cost(N_max + 1))``.
-3. The acceptance model is a fixed concave prior pinned to that measurement:
-   ``accept(N) = 1 + (L_max - 1) * log(1 + N) / log(1 + N_max)``, capped at the
-   longest path a round can emit (D + 1). (Acceptance grows roughly
-   logarithmically in the number of tree nodes: each extra node is a less
-   likely candidate.)
+   each of ``CALIBRATION_PROMPTS`` (not benchmark prompts) with the largest
+   candidate tree, ``N_max`` nodes, gives the acceptance length ``L_max`` there
+   (tokens over rounds, all prompts together); a second, shorter and already
+   compiled run of the first prompt gives the seconds per round, and
+   ``overhead = max(0, round_s - verify_cost(N_max + 1))``. When ``N_max >= 15``
+   a second tree is calibrated the same way: the candidate nearest the middle of
+   ``log(1 + N)`` between 0 and ``N_max`` (7 nodes when ``N_max`` is 63), see
+   ``calibration_nodes``.
+3. The acceptance model (``accept_curve``) is piecewise linear in
+   ``log(1 + N)`` through ``(0, 1)`` and the calibrated points (so with one
+   point, ``accept(N) = 1 + (L_max - 1) * log(1 + N) / log(1 + N_max)``),
+   capped at the longest path a round can emit (D + 1) and at N + 1.
+   Acceptance grows roughly logarithmically in the number of tree nodes (each
+   extra node is a less likely candidate), but for a trained head it is more
+   concave than that: the first few nodes hold most of it. One point at 63
+   nodes predicted 1.74 tokens per round at 7 nodes for the shipped SmolLM2
+   head, which accepts 2.4-2.7 there, and chose 3 nodes on a CPU; the second
+   point pins the small trees that a CPU chooses between. The overhead is
+   interpolated between the points the same way (constant outside them).
 4. ``choose_tree_budget`` picks the N maximising the rate above; ties go to
    the smaller tree.
 
@@ -73,22 +83,30 @@ from dart_jax.tree.dartree import DARTreeConfig, num_tree_nodes
 VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_TOPK = 25
 DEFAULT_BEAM_WIDTH = 20
-CALIBRATION_PROMPT = ("Explain how a hash table works, then write a short Python "
-                      "function that counts how often each word occurs in a text.")
+# Three kinds of request (explanation with code, code alone, prose), none from a
+# benchmark: one prompt's acceptance over 48 tokens varied too much to size a tree.
+CALIBRATION_PROMPTS = (
+    "Explain how a hash table works, then write a short Python function that counts "
+    "how often each word occurs in a text.",
+    "Write a C function that reverses a singly linked list in place, with comments.",
+    "Write a short letter to a neighbour asking them to water the plants while you "
+    "are away for a week.",
+)
 CALIBRATION_TOKENS = 48
 TIMING_TOKENS = 16
 
 
-def _rate_table(cost_curve: Mapping[int, float], accept_curve, overhead_s: float
-                ) -> dict[int, float]:
+def _rate_table(cost_curve: Mapping[int, float], accept_curve,
+                overhead_s: float | Callable[[int], float]) -> dict[int, float]:
   """Expected tokens/s for each budget N = T - 1 >= 1 of ``cost_curve``."""
   accept = accept_curve if callable(accept_curve) else accept_curve.__getitem__
+  overhead = overhead_s if callable(overhead_s) else lambda budget: overhead_s
   rates = {}
   for size, cost in sorted(cost_curve.items()):
     budget = int(size) - 1
     if budget < 1:
       continue  # T = 1 is plain decoding: no draft node.
-    seconds = float(cost) + overhead_s
+    seconds = float(cost) + float(overhead(budget))
     if not seconds > 0:
       raise InputError(f"verify cost for T={size} must be > 0, got {cost!r}")
     rates[budget] = float(accept(budget)) / seconds
@@ -97,14 +115,14 @@ def _rate_table(cost_curve: Mapping[int, float], accept_curve, overhead_s: float
 
 def expected_rates(cost_curve: Mapping[int, float],
                    accept_curve: Mapping[int, float] | Callable[[int], float],
-                   overhead_s: float = 0.0) -> dict[int, float]:
+                   overhead_s: float | Callable[[int], float] = 0.0) -> dict[int, float]:
   """Expected tokens/s per budget N (see the module docstring)."""
   return _rate_table(cost_curve, accept_curve, overhead_s)
 
 
 def choose_tree_budget(cost_curve: Mapping[int, float],
                        accept_curve: Mapping[int, float] | Callable[[int], float],
-                       overhead_s: float = 0.0) -> int:
+                       overhead_s: float | Callable[[int], float] = 0.0) -> int:
   """The tree budget N maximising ``accept(N) / (cost(N + 1) + overhead_s)``.
 
   Args:
@@ -112,7 +130,8 @@ def choose_tree_budget(cost_curve: Mapping[int, float],
       entries are candidates N = T - 1; a T = 1 entry is ignored).
     accept_curve: expected tokens emitted per round for N draft nodes, as a
       mapping ``{N: tokens}`` or a function of N.
-    overhead_s: seconds per round besides verification.
+    overhead_s: seconds per round besides verification (a number, or a
+      function of N).
   Returns:
     N (``TreeConfig.remain_total``); the smallest one among equal rates.
   """
@@ -123,21 +142,44 @@ def choose_tree_budget(cost_curve: Mapping[int, float],
   return min(n for n, r in rates.items() if r >= best * (1 - 1e-12))
 
 
-def log_prior_accept_curve(accept_at_max: float, max_budget: int, max_depth: int
-                           ) -> Callable[[int], float]:
-  """``N -> 1 + (L_max - 1) * log(1 + N) / log(1 + N_max)``, capped at ``max_depth``
-  and at ``N + 1`` (N nodes hold no path longer than N, plus the bonus token).
+def _interp_log1p(points: Mapping[int, float], nodes: int) -> float:
+  """Linear in ``log(1 + nodes)`` between ``points`` ({nodes: value}), constant
+  outside them."""
+  xs = sorted(points)
+  return float(np.interp(math.log1p(nodes), [math.log1p(x) for x in xs],
+                         [points[x] for x in xs]))
 
-  accept_at_max: measured acceptance length L_max with ``max_budget`` nodes;
-  max_depth: the longest emittable path per round (D + 1).
+
+def accept_curve(calibrated: Mapping[int, float], max_depth: int
+                 ) -> Callable[[int], float]:
+  """The acceptance model: ``N -> `` piecewise linear in ``log(1 + N)`` through
+  ``(0, 1)`` and the ``calibrated`` points ``{nodes: acceptance length}``, made
+  non-decreasing in N, constant past the largest point, capped at ``max_depth``
+  (the longest emittable path per round, D + 1) and at ``N + 1`` (N nodes hold
+  no path longer than N, plus the bonus token). With one point (N_max, L_max):
+  ``1 + (L_max - 1) * log(1 + N) / log(1 + N_max)``.
   """
-  gain = max(float(accept_at_max) - 1.0, 0.0)
+  points, floor = {0: 1.0}, 1.0
+  for nodes in sorted(calibrated):
+    floor = max(floor, float(calibrated[nodes]))
+    points[int(nodes)] = floor
 
   def accept(budget: int) -> float:
-    value = 1.0 + gain * math.log1p(budget) / math.log1p(max_budget)
-    return min(value, float(max_depth), budget + 1.0)
+    return min(_interp_log1p(points, budget), float(max_depth), budget + 1.0)
 
   return accept
+
+
+def calibration_nodes(candidates) -> tuple[int, ...]:
+  """The candidate node counts a choice calibrates, largest first: the largest,
+  and when it is >= 15 also the candidate of >= 3 nodes nearest the middle of
+  ``log(1 + N)`` between 0 and it (7 of 1, 3, 7, 15, 31, 63)."""
+  largest = max(candidates)
+  small = [n for n in candidates if 3 <= n < largest]
+  if largest < 15 or not small:
+    return (largest,)
+  middle = math.log1p(largest) / 2
+  return largest, min(small, key=lambda n: (abs(math.log1p(n) - middle), n))
 
 
 def tree_config_for(budget: int, topk: int | None = None,
@@ -203,11 +245,13 @@ def measure_verify_costs(target, sizes=VERIFY_SIZES, *, context_len: int = 192,
   return {size: float(np.median(t)) for size, t in times.items()}
 
 
-DART_MODEL = ("accept(N) = 1 + (L_max-1) log(1+N)/log(1+N_max), capped at D+1 "
-              "and N+1; rate = accept(N) / (verify(N+1) + overhead)")
-DARTREE_MODEL = ("N = draft nodes the budget builds; accept(N) = 1 + (L_max-1) "
-                 "log(1+N)/log(1+N_max), capped at the longest path and N+1; "
-                 "rate = accept(N) / (verify(N+1) + overhead)")
+_ACCEPT_MODEL = ("accept(N) piecewise linear in log(1+N) through (0, 1) and the "
+                 "calibrated (nodes, acceptance) points, capped at {cap} and N+1; "
+                 "overhead(N) = round - verify(nodes+1) at the calibrated points, "
+                 "interpolated likewise; rate = accept(N) / (verify(N+1) + overhead(N))")
+DART_MODEL = _ACCEPT_MODEL.format(cap="D+1")
+DARTREE_MODEL = ("N = draft nodes the budget builds; "
+                 + _ACCEPT_MODEL.format(cap="the longest path"))
 
 
 @dataclasses.dataclass
@@ -215,11 +259,13 @@ class BudgetChoice:
   """What ``choose_budget`` measured and chose (all times in seconds).
 
   budget: the chosen budget; tree: the tree option built with it (a DART
-  ``TreeConfig`` or a ``DARTreeConfig``); max_budget: the calibration tree's
-  budget; expected_tokens_per_s: {budget: tokens/s} per candidate;
-  tree_fields: the tree's other settings, for the JSON; nodes: {budget: draft
-  nodes} per candidate where nodes can differ from the budget (DARTree),
-  else None.
+  ``TreeConfig`` or a ``DARTreeConfig``); max_budget: the largest calibration
+  tree's budget (accept_at_max, round_s_at_max: measured with it); overhead_s:
+  the model's overhead at the chosen budget; expected_tokens_per_s: {budget:
+  tokens/s} per candidate; tree_fields: the tree's other settings, for the
+  JSON; nodes: {budget: draft nodes} per candidate where nodes can differ from
+  the budget (DARTree), else None; calibration: {budget: (acceptance, seconds
+  per round)} of every calibrated tree (``calibration_nodes``).
   """
 
   budget: int
@@ -234,6 +280,7 @@ class BudgetChoice:
   tree_fields: dict = dataclasses.field(default_factory=dict)
   nodes: dict[int, int] | None = None
   model: str = DART_MODEL
+  calibration: dict[int, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
   def to_json(self) -> dict:
     out = {"budget": self.budget, **self.tree_fields}
@@ -245,6 +292,8 @@ class BudgetChoice:
         "accept_at_max": self.accept_at_max, "max_budget": self.max_budget,
         "round_ms_at_max": self.round_s_at_max * 1e3,
         "overhead_ms": self.overhead_s * 1e3,
+        "calibration": {str(b): {"accept": a, "round_ms": r * 1e3}
+                        for b, (a, r) in self.calibration.items()},
         "expected_tokens_per_s": {str(n): r for n, r in self.expected_tokens_per_s.items()},
         "ar_tokens_per_s_estimate": self.ar_tokens_per_s,
         "model": self.model,
@@ -284,24 +333,30 @@ class TreeFamily:
   reports_nodes: bool = False
 
 
-def calibrate(target, method_kwargs: dict, *, prompt: str = CALIBRATION_PROMPT,
+def calibrate(target, method_kwargs: dict, *, prompts=CALIBRATION_PROMPTS,
               seed: int = 0) -> tuple[float, float]:
-  """Greedy decoding of ``prompt`` with ``generate(**method_kwargs)`` ->
+  """Greedy decoding of ``prompts`` with ``generate(**method_kwargs)`` ->
   (acceptance length, seconds per round).
 
-  The first run (which compiles) gives the acceptance length; a shorter second run,
+  The acceptance length is the tokens emitted over the rounds run, all prompts
+  together (the first run compiles); a shorter second run of the first prompt,
   compiled by then, gives the round time.
   """
-  # Without a tokenizer (random test targets) a fixed run of token ids stands in.
-  prompt_arg = prompt if target.tokenizer is not None else [
-      i % target.config.vocab_size for i in range(1, 33)]
+  # Without a tokenizer (random test targets) fixed runs of token ids stand in.
+  if target.tokenizer is None:
+    prompts = [[(i * (k + 1)) % target.config.vocab_size or 1 for i in range(1, 33)]
+               for k in range(len(prompts))]
   kwargs = dict(method_kwargs, temperature=0.0, seed=seed)
-  first = generate(target, prompt_arg, max_new_tokens=CALIBRATION_TOKENS, **kwargs)
-  timed = generate(target, prompt_arg, max_new_tokens=TIMING_TOKENS, **kwargs)
+  tokens = rounds = 0
+  for prompt in prompts:
+    stats = generate(target, prompt, max_new_tokens=CALIBRATION_TOKENS, **kwargs).stats
+    tokens += stats.mean_accept_len * stats.rounds
+    rounds += stats.rounds
+  timed = generate(target, prompts[0], max_new_tokens=TIMING_TOKENS, **kwargs)
   s = timed.stats
   decode_s = s.total_s - s.time_to_first_token_s
   round_s = decode_s / s.rounds if s.rounds else float("nan")
-  return first.stats.mean_accept_len, round_s
+  return (tokens / rounds if rounds else float("nan")), round_s
 
 
 def candidate_budgets(family: TreeFamily, sizes=VERIFY_SIZES) -> dict[int, int]:
@@ -323,27 +378,29 @@ def verify_sizes(family: TreeFamily, sizes=VERIFY_SIZES) -> tuple[int, ...]:
 
 
 def pick_budget(verify_costs: Mapping[int, float], by_nodes: Mapping[int, int],
-                accept_at_max: float, round_s: float, max_path: int
+                calibration: Mapping[int, tuple[float, float]], max_path: int
                 ) -> tuple[int, float, dict[int, float]]:
-  """The choice from measured numbers -> (budget, overhead_s, {budget: tokens/s}).
+  """The choice from measured numbers -> (budget, overhead_s at it, {budget: tokens/s}).
 
   verify_costs: {T: seconds}, holding ``nodes + 1`` for every candidate;
-  by_nodes: {draft nodes: budget} (``candidate_budgets``); accept_at_max and
-  round_s: the calibration with the most nodes; max_path: the longest path.
+  by_nodes: {draft nodes: budget} (``candidate_budgets``); calibration:
+  {draft nodes: (acceptance length, seconds per round)} of the calibrated trees
+  (``calibration_nodes``); max_path: the longest path.
   """
-  max_nodes = max(by_nodes)
-  overhead = max(0.0, round_s - verify_costs[max_nodes + 1])
-  accept = log_prior_accept_curve(accept_at_max, max_nodes, max_path)
+  accept = accept_curve({n: a for n, (a, _) in calibration.items()}, max_path)
+  overheads = {n: max(0.0, round_s - verify_costs[n + 1])
+               for n, (_, round_s) in calibration.items()}
+  overhead = lambda nodes: _interp_log1p(overheads, nodes)
   node_costs = {n + 1: verify_costs[n + 1] for n in by_nodes}
   nodes = choose_tree_budget(node_costs, accept, overhead)
   rates = expected_rates(node_costs, accept, overhead)
-  return by_nodes[nodes], overhead, {by_nodes[n]: r for n, r in rates.items()}
+  return by_nodes[nodes], overhead(nodes), {by_nodes[n]: r for n, r in rates.items()}
 
 
 def choose_budget(target, family: TreeFamily, *, sizes=VERIFY_SIZES,
                   context_len: int = 192, reps: int = 7,
                   verify_costs: dict[int, float] | None = None, log=print) -> BudgetChoice:
-  """Measures verify costs and a calibration run, then picks the budget.
+  """Measures verify costs and the calibration runs, then picks the budget.
 
   verify_costs: measured ``{T: seconds}`` of this target to reuse, e.g. one
   curve timed for several methods (``verify_sizes`` says which T each needs).
@@ -363,23 +420,28 @@ def choose_budget(target, family: TreeFamily, *, sizes=VERIFY_SIZES,
     if verify_costs is not None:
       verify_costs.update(costs)
   log(f"{p} verify ms: " + ", ".join(f"T={t}: {c * 1e3:.1f}" for t, c in costs.items()))
+  calibration = {}  # {nodes: (acceptance, seconds per round)}
+  for nodes in calibration_nodes(by_nodes):
+    tree = family.tree_for(by_nodes[nodes])
+    log(f"{p} calibration run with {family.budget_name}={by_nodes[nodes]} "
+        f"({family.describe(tree)}) ...")
+    calibration[nodes] = calibrate(target, family.generate_kwargs(tree))
+  budget, overhead, rates = pick_budget(costs, by_nodes, calibration, family.max_path)
+  tree = family.tree_for(budget)
   max_nodes = max(by_nodes)
   max_budget = by_nodes[max_nodes]
-  big_tree = family.tree_for(max_budget)
-  log(f"{p} calibration run with {family.budget_name}={max_budget} "
-      f"({family.describe(big_tree)}) ...")
-  accept_at_max, round_s = calibrate(target, family.generate_kwargs(big_tree))
-  budget, overhead, rates = pick_budget(costs, by_nodes, accept_at_max, round_s,
-                                        family.max_path)
-  tree = family.tree_for(budget)
+  accept_at_max, round_s = calibration[max_nodes]
   choice = BudgetChoice(
       budget, tree, costs, accept_at_max, max_budget, round_s, overhead, rates,
       1.0 / costs[1] if 1 in costs else float("nan"), tree_fields=family.tree_json(tree),
       nodes={b: n for n, b in by_nodes.items()} if family.reports_nodes else None,
-      model=family.model)
-  log(f"{p} L_max={accept_at_max:.2f} at {family.budget_name}={max_budget}, overhead "
-      f"{overhead * 1e3:.1f} ms/round -> {family.budget_name}={budget} "
-      f"({family.describe(tree)}); expected {rates[budget]:.1f} tok/s")
+      model=family.model,
+      calibration={by_nodes[n]: measured for n, measured in sorted(calibration.items())})
+  measured = ", ".join(f"{a:.2f} at {family.budget_name}={by_nodes[n]}"
+                       for n, (a, _) in sorted(calibration.items()))
+  log(f"{p} acceptance {measured}; overhead {overhead * 1e3:.1f} ms/round -> "
+      f"{family.budget_name}={budget} ({family.describe(tree)}); expected "
+      f"{rates[budget]:.1f} tok/s")
   return choice
 
 

@@ -40,20 +40,47 @@ def test_choose_tree_budget_rejects_curves_without_candidates():
     tb.choose_tree_budget({1: 1.0, 2: 0.0}, ACCEPT)
 
 
-def test_log_prior_accept_curve():
-  accept = tb.log_prior_accept_curve(3.0, 63, max_depth=8)
+def test_accept_curve_through_one_point_is_the_log_prior():
+  accept = tb.accept_curve({63: 3.0}, max_depth=8)
   assert accept(0) == pytest.approx(1.0, abs=1e-12)
   assert accept(63) == pytest.approx(3.0, abs=1e-12)
   assert accept(7) == pytest.approx(1 + 2 * math.log(8) / math.log(64), abs=1e-12)
   values = [accept(n) for n in (1, 3, 7, 15, 31, 63)]
   gains = np.diff(values)
   assert np.all(gains > 0) and np.all(np.diff(gains) < 1e-12)  # concave in log steps
-  assert tb.log_prior_accept_curve(9.0, 63, max_depth=5)(63) == 5.0  # capped at D+1
-  assert tb.log_prior_accept_curve(0.7, 63, max_depth=5)(15) == 1.0  # never below 1
-  assert tb.log_prior_accept_curve(9.0, 63, max_depth=16)(1) == 2.0  # 1 node: <= 2 tokens
+  assert tb.accept_curve({63: 9.0}, max_depth=5)(63) == 5.0  # capped at D+1
+  assert tb.accept_curve({63: 0.7}, max_depth=5)(15) == 1.0  # never below 1
+  assert tb.accept_curve({63: 9.0}, max_depth=16)(1) == 2.0  # 1 node: <= 2 tokens
   # With the prior and the CPU-like costs: N=3 gives 1+2*log4/log64=1.667 -> 1.667,
   # N=7: 2.0/1.3=1.538, N=1: 1.333 -> N=3.
   assert tb.choose_tree_budget(COSTS, accept) == 3
+
+
+def test_accept_curve_through_two_points():
+  accept = tb.accept_curve({7: 2.5, 63: 3.0}, max_depth=8)
+  assert accept(7) == pytest.approx(2.5, abs=1e-12)
+  assert accept(63) == pytest.approx(3.0, abs=1e-12)
+  # Below the small point: from (0, 1) to (7, 2.5); between them: log-linear.
+  assert accept(3) == pytest.approx(1 + 1.5 * math.log(4) / math.log(8), abs=1e-12)
+  assert accept(15) == pytest.approx(2.5 + 0.5 * math.log(2) / math.log(8), abs=1e-12)
+  assert accept(127) == pytest.approx(3.0, abs=1e-12)  # constant past the largest point
+  # A smaller tree measured better than a larger one: the curve does not fall.
+  falling = tb.accept_curve({7: 2.5, 63: 2.0}, max_depth=8)
+  assert falling(63) == pytest.approx(2.5, abs=1e-12)
+  # A head that accepts most of its tokens within 7 nodes: with the CPU-like costs
+  # N=3 gives 1 + 2.5*2/3 = 2.667, N=7 3.5/1.3 = 2.692, N=15 3.533/2 -> 7. The
+  # one-point prior through (63, 3.6) chooses 3: 1 + 2.6/3 = 1.867 against
+  # (1 + 2.6/2)/1.3 = 1.769.
+  assert tb.choose_tree_budget(COSTS, tb.accept_curve({7: 3.5, 63: 3.6}, 8)) == 7
+  assert tb.choose_tree_budget(COSTS, tb.accept_curve({63: 3.6}, 8)) == 3
+
+
+def test_calibration_nodes():
+  assert tb.calibration_nodes((1, 3, 7, 15, 31, 63)) == (63, 7)
+  assert tb.calibration_nodes((1, 3, 7, 15)) == (15, 3)  # log(16)/2 = log(4)
+  assert tb.calibration_nodes((1, 3, 4)) == (4,)  # small trees: one run
+  assert tb.calibration_nodes((1, 3, 6)) == (6,)
+  assert tb.calibration_nodes((1, 2, 40)) == (40,)  # no candidate of >= 3 nodes below
 
 
 def test_tree_config_for_caps_topk_and_beam():
@@ -103,9 +130,10 @@ def test_auto_tree_budget_measures_and_chooses(tiny):
   assert any("remain_total=3" in line for line in logged)
 
 
-def _fake_measurements(monkeypatch, costs, accept_at_max, round_s):
-  """Replaces the timing and the calibration run by fixed numbers; returns the
-  lists of requested sizes and of calibration kwargs."""
+def _fake_measurements(monkeypatch, costs, calibration):
+  """Replaces the timing and the calibration runs by fixed numbers (calibration:
+  {budget: (acceptance, seconds per round)}); returns the lists of requested sizes
+  and of calibration kwargs."""
   measured, calibrated = [], []
 
   def measure(target, sizes, **kwargs):
@@ -114,7 +142,8 @@ def _fake_measurements(monkeypatch, costs, accept_at_max, round_s):
 
   def calibrate(target, method_kwargs, **kwargs):
     calibrated.append(method_kwargs)
-    return accept_at_max, round_s
+    tree = method_kwargs.get("tree_config") or method_kwargs["tree"]
+    return calibration[getattr(tree, "budget", None) or tree.remain_total]
 
   monkeypatch.setattr(tb, "measure_verify_costs", measure)
   monkeypatch.setattr(tb, "calibrate", calibrate)
@@ -122,30 +151,43 @@ def _fake_measurements(monkeypatch, costs, accept_at_max, round_s):
 
 
 def test_dart_and_dartree_choices_agree_on_the_same_curve(tiny, monkeypatch):
-  """One implementation: with the same verify costs, L_max, round time and longest
+  """One implementation: with the same verify costs, calibration runs and longest
   path (D = 2 draft depths: 3 tokens), DART and a DARTree method whose node
   count equals its budget choose the same budget."""
   target, head = tiny
-  # overhead = 15 - cost(64) = 10 s; accept(N) = 1 + 2 log(1+N)/log 64 (cap 3):
-  # N=7: 2.0/11.3 = 0.177, N=15: 2.333/12 = 0.194, N=31: 2.667/12.5 = 0.213,
-  # N=63: 3.0/15 = 0.200 -> 31.
-  measured, calibrated = _fake_measurements(monkeypatch, COSTS, 3.0, 15.0)
+  # Calibrated at 63 nodes (3.0 tokens, 15 s/round: overhead 15 - 5 = 10 s) and
+  # at 7 (2.6 tokens, 4.3 s: overhead 4.3 - 1.3 = 3 s). Between the points both
+  # are linear in log(1 + N), so in thirds from 7 to 15, 31, 63:
+  # N=1: (1 + 1.6/3) / (1 + 3) = 0.383, N=3: (1 + 3.2/3) / 4 = 0.517,
+  # N=7: 2.6 / 4.3 = 0.605, N=15: 2.733 / (2 + 5.333) = 0.373,
+  # N=31: 2.867 / (2.5 + 7.667) = 0.282, N=63: 3 / 15 = 0.2 -> 7.
+  calibration = {63: (3.0, 15.0), 7: (2.6, 4.3)}
+  measured, calibrated = _fake_measurements(monkeypatch, COSTS, calibration)
   dart = tb.auto_tree_budget(target, head, log=lambda msg: None)
-  assert dart.budget == 31 and dart.tree.remain_total == 31
-  assert dart.overhead_s == pytest.approx(10.0, abs=1e-12)
-  assert calibrated[0]["tree"].remain_total == 63 and calibrated[0]["draft"] is head
+  assert dart.budget == 7 and dart.tree.remain_total == 7
+  assert dart.overhead_s == pytest.approx(3.0, abs=1e-12)
+  assert dart.expected_tokens_per_s[15] == pytest.approx((2.6 + 0.4 / 3) / (2 + 3 + 7 / 3))
+  assert [kw["tree"].remain_total for kw in calibrated] == [63, 7]
+  assert calibrated[0]["draft"] is head
+  assert dart.calibration == {7: (2.6, 4.3), 63: (3.0, 15.0)}
+  assert dart.to_json()["calibration"] == {"7": {"accept": 2.6, "round_ms": 4300.0},
+                                           "63": {"accept": 3.0, "round_ms": 15000.0}}
   drafter = dj.DFlashDrafter.init(target, block_size=DRAFT_LENGTH + 1, domino=True)
   # ddtree with K = 64 >= 63: every budget up to 63 builds exactly that many nodes.
   base = DARTreeConfig(topk=64, supertree_width=5, depth_bonus=-0.5)
   tree = tb.auto_dartree_budget(target, drafter, "ddtree", base, log=lambda msg: None)
   assert tree.budget == dart.budget
   assert tree.expected_tokens_per_s == pytest.approx(dart.expected_tokens_per_s, rel=1e-12)
-  assert tree.tree == DARTreeConfig(topk=64, supertree_width=5, budget=31, depth_bonus=-0.5)
+  assert tree.tree == DARTreeConfig(topk=64, supertree_width=5, budget=7, depth_bonus=-0.5)
   assert measured == [tb.VERIFY_SIZES] * 2
-  assert calibrated[1]["tree"] == "ddtree" and calibrated[1]["tree_config"].budget == 63
-  # The pure choice gives the same answer from the same numbers.
+  assert calibrated[2]["tree"] == "ddtree"
+  assert [kw["tree_config"].budget for kw in calibrated[2:]] == [63, 7]
+  # The pure choice gives the same answer from the same numbers; calibrated at
+  # 63 nodes only (the log prior), it chooses 31: N=7 2.0/11.3 = 0.177,
+  # N=15 2.333/12 = 0.194, N=31 2.667/12.5 = 0.213, N=63 3.0/15 = 0.200.
   identity = {n: n for n in (1, 3, 7, 15, 31, 63)}
-  assert tb.pick_budget(COSTS, identity, 3.0, 15.0, 3)[0] == 31
+  assert tb.pick_budget(COSTS, identity, {7: (2.6, 4.3), 63: (3.0, 15.0)}, 3)[0] == 7
+  assert tb.pick_budget(COSTS, identity, {63: (3.0, 15.0)}, 3)[:2] == (31, 10.0)
 
 
 def test_dartree_fixed_candidates_are_the_node_counts_it_builds(tiny, monkeypatch):
@@ -156,7 +198,7 @@ def test_dartree_fixed_candidates_are_the_node_counts_it_builds(tiny, monkeypatc
   costs = {1: 1.0, 2: 1.0, 4: 1.0, 7: 1.1}
   # L_max 2.5 at 6 nodes, no overhead: accept(n) = 1 + 1.5 log(1+n)/log 7:
   # n=1: 1.534/1.0, n=3: 2.069/1.0, n=6: 2.5/1.1 = 2.273 -> 6 nodes, budget 7.
-  measured, calibrated = _fake_measurements(monkeypatch, costs, 2.5, 1.1)
+  measured, calibrated = _fake_measurements(monkeypatch, costs, {7: (2.5, 1.1)})
   drafter = dj.DFlashDrafter.init(target, block_size=3, domino=True)
   shared = {}
   choice = tb.auto_dartree_budget(target, drafter, "dartree-fixed",
