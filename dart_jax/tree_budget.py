@@ -16,7 +16,7 @@ pieces for one method family (``TreeFamily``):
    against a cache of ``context_len`` committed tokens, timed as the median of
    ``reps`` repetitions that visit the sizes in alternating order (forward,
    then backward), so that drift on a shared machine hits every size alike.
-2. ``calibrate``: one short greedy run of the user's drafter on
+2. ``calibrate``: a short greedy run of the user's drafter on
    each of ``CALIBRATION_PROMPTS`` (not benchmark prompts) with the largest
    candidate tree, ``N_max`` nodes, gives the acceptance length ``L_max`` there
    (tokens over rounds, all prompts together); a second, shorter and already
