@@ -24,9 +24,11 @@ def _case(m, k, n, dtype, seed=0):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("m,k,n", [(1, 64, 48), (2, 37, 13), (7, 200, 45), (65, 96, 264)])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 48), (2, 37, 13), (7, 200, 45), (5, 37, 9),
+                                   (65, 96, 264)])
 def test_matches_float64_to_float32_accuracy(dtype, m, k, n):
-  """Shapes cover every tail: rows past the 3-row tile, k % 8, n % 4 and n % 8."""
+  """Shapes cover every tail: rows past the 3-row tile, k % 8, n % 4 and n % 8,
+  and k % 8 where the first row tile stashes the widened bf16 rows (m > 3)."""
   x, w, exact, magnitude = _case(m, k, n, dtype)
   got = np.asarray(jax.jit(cpu_matmul.rows_matmul)(x, w))
   assert got.shape == (m, n) and got.dtype == np.float32
