@@ -66,11 +66,16 @@ def processed_log_probs(logits: jax.Array, config: SamplingConfig) -> jax.Array:
   return jax.nn.log_softmax(logits, axis=-1)
 
 
-def sample(key: jax.Array, logits: jax.Array, config: SamplingConfig) -> jax.Array:
-  """One token per row. logits: [..., V] -> [...] int32."""
+def sample(key: jax.Array, logits: jax.Array, config: SamplingConfig,
+           rows: jax.Array | None = None, num_rows: int = 0) -> jax.Array:
+  """One token per row. logits: [..., V] -> [...] int32.
+
+  rows, num_rows: ``sample_log_probs``'s, for a batch that is a subset of a
+  larger one.
+  """
   if config.greedy:
     return greedy_tokens(logits)
-  return sample_log_probs(key, processed_log_probs(logits, config))
+  return sample_log_probs(key, processed_log_probs(logits, config), rows, num_rows)
 
 
 def greedy_tokens(logits: jax.Array) -> jax.Array:
@@ -91,7 +96,8 @@ def greedy_tokens(logits: jax.Array) -> jax.Array:
 _BLOCK = 128  # tokens per block of the two-level draw
 
 
-def sample_log_probs(key: jax.Array, log_probs: jax.Array) -> jax.Array:
+def sample_log_probs(key: jax.Array, log_probs: jax.Array, rows: jax.Array | None = None,
+                     num_rows: int = 0) -> jax.Array:
   """One draw per row from ``log_probs [..., V]`` (-inf = excluded) -> [...] int32.
 
   Inverts the distribution function in two levels: a block of 128 tokens by the
@@ -101,13 +107,21 @@ def sample_log_probs(key: jax.Array, log_probs: jax.Array) -> jax.Array:
   prefix sums keep float32 rounding small: a token's probability is off by at most
   about 128 + V/128 float32 ulps of its block's or the total mass (Gumbel-max in
   float32 never draws tokens below ~1e-8 of the top one at all).
+
+  rows: [B] with ``num_rows`` (static): ``log_probs``' leading axis holds rows
+  ``rows`` of a batch of ``num_rows``; each row then gets exactly the uniforms
+  it would get in that whole batch, so dropping finished rows from a batch
+  changes no draw.
   """
   lead, vocab = log_probs.shape[:-1], log_probs.shape[-1]
   blocks = -(-vocab // _BLOCK)
   weights = jnp.exp(log_probs - jnp.max(log_probs, axis=-1, keepdims=True))
   weights = jnp.pad(weights, [(0, 0)] * len(lead) + [(0, blocks * _BLOCK - vocab)])
   weights = weights.reshape(*lead, blocks, _BLOCK)
-  u_block, u_token = jax.random.uniform(key, (2,) + lead)
+  if rows is None:
+    u_block, u_token = jax.random.uniform(key, (2,) + lead)
+  else:
+    u_block, u_token = jax.random.uniform(key, (2, num_rows) + lead[1:])[:, rows]
   block = _invert(jnp.sum(weights, axis=-1), u_block)
   within = jnp.take_along_axis(weights, block[..., None, None], axis=-2)[..., 0, :]
   return (block * _BLOCK + _invert(within, u_token)).astype(jnp.int32)

@@ -8,11 +8,14 @@ speculative method be lossless against ``ARDecoder``).
 import functools
 from typing import Any, Protocol
 
+import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dart_jax.models.target import Target
+from dart_jax.models.transformer import KVCache
 from dart_jax.sampling import KeySequence, SamplingConfig, sample
 
 
@@ -29,6 +32,25 @@ class Decoder(Protocol):
            ) -> tuple[Any, jax.Array, jax.Array]:
     """One round -> (state, new tokens [B, A], number of new tokens [B])."""
 
+  # Optional: ``keep_rows(state, slots: np.ndarray [B']) -> state`` keeps the
+  # sequences in ``slots`` (repeats allowed) so that later rounds run a smaller
+  # batch, with every kept sequence's tokens unchanged (``generate`` drops
+  # finished sequences this way).
+
+
+@flax.struct.dataclass
+class ARState:
+  """Plain decoding's state.
+
+  cache: the target's cache; last: [B] each sequence's newest token (not in
+  the cache yet); rows: [B] int32, the row of the call's batch each sequence
+  is (its sampling draws; ``sampling.sample_log_probs``).
+  """
+
+  cache: KVCache
+  last: jax.Array
+  rows: jax.Array
+
 
 class ARDecoder:
   """Plain autoregressive decoding: one target call per token."""
@@ -39,22 +61,29 @@ class ARDecoder:
     self.target = target
     self.sampling = sampling
     self.keys = KeySequence(seed)
+    self.num_rows = 0  # the call's batch size, set by ``start``
 
   def start(self, tokens, prompt_lens, capacity, key=None):
     t = self.target
-    cache = t.new_cache(tokens.shape[0], capacity)
+    self.num_rows = tokens.shape[0]
+    cache = t.new_cache(self.num_rows, capacity)
     first, cache, _ = prefill(t.graphdef, t.params, cache, tokens, prompt_lens,
                               self.keys.next(), sampling=self.sampling, taps=(),
                               attn_impl=t.attn_impl)
-    return (cache, first), first
+    rows = t.place_batch(np.arange(self.num_rows, dtype=np.int32))
+    return ARState(cache, first, rows), first
 
   def step(self, state, active, attend_len):
-    cache, last = state
     t = self.target
-    nxt, cache = _ar_step(t.graphdef, t.params, cache, last, active, self.keys.next(),
-                          attend_len=attend_len, sampling=self.sampling,
+    nxt, cache = _ar_step(t.graphdef, t.params, state.cache, state.last, active,
+                          self.keys.next(), state.rows, attend_len=attend_len,
+                          sampling=self.sampling, num_rows=self.num_rows,
                           attn_impl=t.attn_impl)
-    return (cache, nxt), nxt[:, None], jnp.ones_like(nxt)
+    return ARState(cache, nxt, state.rows), nxt[:, None], jnp.ones_like(nxt)
+
+  def keep_rows(self, state: ARState, slots: np.ndarray) -> ARState:
+    """The state of sequences ``slots [B']`` only (one device)."""
+    return _take_rows(state, jnp.asarray(slots, jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "taps", "attn_impl"),
@@ -77,13 +106,21 @@ def prefill(graphdef, params, cache, tokens, prompt_lens, key, *, sampling, taps
   return first, out.cache.replace(lengths=prompt_lens.astype(jnp.int32)), out.taps
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "attend_len", "sampling", "attn_impl"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "attend_len", "sampling",
+                                             "num_rows", "attn_impl"),
                    donate_argnames=("cache",))
-def _ar_step(graphdef, params, cache, last, active, key, *, attend_len, sampling, attn_impl):
-  """Feeds ``last [B]`` at position ``lengths`` and samples the next token."""
+def _ar_step(graphdef, params, cache, last, active, key, rows, *, attend_len, sampling,
+             num_rows, attn_impl):
+  """Feeds ``last [B]`` at position ``lengths`` and samples the next token
+  (``rows [B]`` of a batch of ``num_rows``: the draws each row gets)."""
   model = nnx.merge(graphdef, params)
   one = jnp.ones((last.shape[0], 1, 1), bool)
   out = model(last[:, None], cache.lengths[:, None], cache, one, attend_len=attend_len,
               attn_impl=attn_impl)
   cache = out.cache.replace(lengths=cache.lengths + active.astype(jnp.int32))
-  return sample(key, out.logits[:, 0], sampling), cache
+  return sample(key, out.logits[:, 0], sampling, rows, num_rows), cache
+
+
+@jax.jit
+def _take_rows(state: ARState, slots: jax.Array) -> ARState:
+  return ARState(state.cache.take_rows(slots), state.last[slots], state.rows[slots])

@@ -115,6 +115,16 @@ class KVCache:
     return self.replace(k=tuple(move(b) for b in self.k), v=tuple(move(b) for b in self.v),
                         lengths=self.lengths + accepted_len.astype(jnp.int32)).constrained()
 
+  def take_rows(self, index: jax.Array) -> "KVCache":
+    """The cache of sequences ``index [B']`` (rows of the batch, repeats
+    allowed): a smaller batch when some sequences have finished. One device
+    only (a sharded cache keeps its batch size)."""
+    if self.sharding is not None:
+      raise ValueError("take_rows changes the batch size; a sharded cache cannot")
+    take = lambda b: jnp.take(b, index, axis=0)
+    return self.replace(k=tuple(map(take, self.k)), v=tuple(map(take, self.v)),
+                        lengths=self.lengths[index])
+
 
 def write_kv(buf: jax.Array, rows: jax.Array, start: jax.Array, layout: str) -> jax.Array:
   """Writes ``rows [B, T, Hkv, hd]`` at positions ``start[b] ..`` of one layer's

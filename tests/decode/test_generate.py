@@ -1,11 +1,14 @@
 """The generate driver: prompt forms, batching, streaming, stop rules, bad input."""
 
 
+import importlib
+
 import numpy as np
 import pytest
 
 import dart_jax as dj
-from dart_jax.generate import attend_bucket, encode_prompts
+from dart_jax.decode.ar import ARDecoder
+from dart_jax.generate import attend_bucket, encode_prompts, kept_batch_size
 from dart_jax.sampling import SamplingConfig, processed_log_probs
 from tests.helpers import FIXTURES
 
@@ -93,6 +96,39 @@ def test_bad_input(target):
 def test_generation_stops_at_max_length(target):
   out = dj.generate(target, [1] * 20, max_new_tokens=50, max_length=30, eos_token_ids=())
   assert 1 <= len(out.tokens) <= 10
+
+
+def test_kept_batch_size():
+  assert kept_batch_size(64, 128) == 64 and kept_batch_size(65, 128) == 128
+  assert kept_batch_size(20, 128) == 32 and kept_batch_size(1, 128) == 8
+  assert kept_batch_size(9, 20) == 20 and kept_batch_size(8, 20) == 8
+  assert kept_batch_size(3, 12) == 12  # 8 is more than half of 12
+  assert kept_batch_size(0, 3) == 3
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_dropping_finished_sequences_changes_no_token(target, monkeypatch, temperature):
+  # Prompts of 10..49 tokens in a 64-row cache run out of room one after another,
+  # so the batch of 40 shrinks to 16 and then to 8 sequences.
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(3, 200, size=10 + i).tolist() for i in range(40)]
+  run = lambda: dj.generate(target, prompts, max_new_tokens=60, max_length=64,
+                            temperature=temperature, seed=3, eos_token_ids=()).tokens
+  sizes = []
+  keep_rows = ARDecoder.keep_rows
+  def recording_keep_rows(self, state, slots):
+    sizes.append(len(slots))
+    return keep_rows(self, state, slots)
+  monkeypatch.setattr(ARDecoder, "keep_rows", recording_keep_rows)
+  dropped = run()
+  assert sizes == [16, 8]
+  # (dart_jax.generate the attribute is the function; the module by name.)
+  generate_module = importlib.import_module("dart_jax.generate")
+  monkeypatch.setattr(generate_module, "_MIN_KEPT_BATCH", 10**6)  # never shrink
+  kept = run()
+  assert sizes == [16, 8]
+  assert dropped == kept
+  assert len({len(t) for t in kept}) > 10  # the rows really ended at different times
 
 
 def test_attend_bucket():
