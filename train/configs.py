@@ -34,8 +34,11 @@ SMOLLM2_SELF_DISTILLED_EVAL = os.path.join(SAMPLE_DATA_DIR,
                                            "smollm2_self_distilled_eval.jsonl")
 # The v2 self-distilled data (train/README.md, "The v2 data"), xz-compressed.
 SMOLLM2_V2_DIR = os.path.join(SAMPLE_DATA_DIR, "smollm2_v2")
+# The sampled answers are bundled in two files: batches 60-68 of the plan (what
+# stages 5-7 and the shipped N-gram used) and the batches from 69 on.
 SMOLLM2_V2_TRAIN = (os.path.join(SMOLLM2_V2_DIR, "train_greedy.jsonl.xz"),
-                    os.path.join(SMOLLM2_V2_DIR, "train_sampled.jsonl.xz"))
+                    os.path.join(SMOLLM2_V2_DIR, "train_sampled.jsonl.xz"),
+                    os.path.join(SMOLLM2_V2_DIR, "train_sampled_from_69.jsonl.xz"))
 SMOLLM2_V2_HELDOUT = os.path.join(SMOLLM2_V2_DIR, "heldout_greedy.jsonl.xz")
 # The first 192 conversations: the data of the documented Domino and DART-GRU runs.
 SMOLLM2_FIRST_BATCHES = 192

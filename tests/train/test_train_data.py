@@ -1,6 +1,7 @@
 """Training data: formats, loss masks, bad input, packing, vocabulary, iteration,
 regeneration."""
 
+import collections
 import dataclasses
 import json
 import logging
@@ -333,7 +334,12 @@ def test_bundled_v2_data_answers_the_recipe_prompts_and_holds_out_its_split():
     return [m["content"] for m in record["messages"] if m["role"] == "user"]
 
   heldout = read(configs.SMOLLM2_V2_HELDOUT)
-  greedy, sampled = (read(p) for p in configs.SMOLLM2_V2_TRAIN)
+  greedy, sampled, sampled_more = (read(p) for p in configs.SMOLLM2_V2_TRAIN)
+  # The second sampled file continues the first one's batch plan.
+  assert max(r["batch"] for r in sampled) < min(r["batch"] for r in sampled_more)
+  assert all(n == 128 for n in collections.Counter(
+      r["batch"] for r in sampled + sampled_more).values())  # whole batches only
+  sampled = sampled + sampled_more
   for records, source in ((heldout, heldout_prompts), (greedy, train_prompts),
                           (sampled, train_prompts)):
     for r in records:
