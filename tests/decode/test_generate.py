@@ -122,7 +122,7 @@ def test_dropping_finished_sequences_changes_no_token(target, monkeypatch, tempe
   monkeypatch.setattr(ARDecoder, "keep_rows", recording_keep_rows)
   dropped = run()
   assert sizes == [16, 8]
-  # (dart_jax.generate the attribute is the function; the module by name.)
+  # `dart_jax.generate` as an attribute is the function, so import the module by name.
   generate_module = importlib.import_module("dart_jax.generate")
   monkeypatch.setattr(generate_module, "_MIN_KEPT_BATCH", 10**6)  # never shrink
   kept = run()
