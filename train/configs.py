@@ -128,8 +128,11 @@ class DataSection:
   target_features: "online" runs the frozen target in every step; "cached"
     (DART and DART-GRU) runs it once per training row and stores what the
     loss reads (taps, teacher log-probs over the draft vocabulary, teacher
-    argmax) under ``WORKDIR/features``, so later epochs cost only the head
+    argmax) under ``features_dir``, so later epochs cost only the head
     (``train/features.py``). Evaluation stays online.
+  features_dir: where cached features live; "" = ``WORKDIR/features``. Runs
+    that share one reuse each other's rows (found by content), so a run over
+    more data computes only the new rows.
   features_dtype: storage of the cached taps and log-probs: float16 (half the
     disk) or float32 (the online step's numbers exactly).
   teacher_topk: with cached features, K > 0 keeps only each position's K most
@@ -147,6 +150,7 @@ class DataSection:
   cache: bool = True
   target_features: str = "online"
   features_dtype: str = "float16"
+  features_dir: str = ""
   teacher_topk: int = 0
 
 

@@ -9,14 +9,24 @@ SmolLM2-135M over 4 x 512 tokens: about 11 s of a 12 s step). Computing them
 once turns every later epoch into a head-only pass, as EAGLE-style trainers do
 with offline hidden states.
 
-Stored per training set under ``WORKDIR/features/<key>/`` (the key hashes the
-rows, the target, the tap layers, the draft vocabulary and the dtype, so a
-changed input never reuses stale features):
+Stored under a features directory (``data.features_dir``, by default
+``WORKDIR/features``), one folder per setting (the target, the tap layers, the
+draft vocabulary, the dtype and the teacher size: ``settings_key``) and in it
+one folder per *part*, a set of rows computed together:
 
-  taps.npy            [R, T, n*Ht]  float16 | float32
-  teacher_logp.npy    [R, T, Vd]    float16 | float32  log-softmax over draft ids
-  teacher_argmax.npy  [R, T]        int32
-  progress.json       {"rows_done": r}: rows [0, r) are final
+  <settings>/<part>/row_keys.npy      [R] 16-byte digests of each row's tokens,
+                                      segment ids and positions
+  <settings>/<part>/taps.npy          [R, T, n*Ht]  float16 | float32
+  <settings>/<part>/teacher_logp.npy  [R, T, Vd]    float16 | float32  log-softmax
+                                      over draft ids
+  <settings>/<part>/teacher_argmax.npy [R, T]       int32
+  <settings>/<part>/progress.json     {"rows_done": r}: rows [0, r) are final
+
+A row is found by its content, so a run computes only the rows that no
+complete part holds yet: growing the data, or training on another selection of
+files already seen by a run sharing the directory, reuses every unchanged row
+(next-fit packing realigns a few rows after a changed file boundary). Several
+runs may read one directory; only one at a time should build in it.
 
 With ``teacher_topk=K`` (``data.teacher_topk``) the teacher is compact: only
 each position's K most likely draft ids and their log-probabilities are kept
@@ -28,8 +38,10 @@ matches the target exactly on the top K and in total tail mass.
 
 Rows are written in order and ``progress.json`` is replaced only after the
 arrays are flushed, so an interrupted build resumes at the first unfinished
-batch. Storing log-probabilities rather than logits keeps float16 precise where
-the mass is (the top tokens sit near 0).
+batch of its part. A folder from before parts existed (the features of one
+run's rows directly under ``features_dir``) becomes a part when a run with
+those rows finds it. Storing log-probabilities rather than logits keeps float16
+precise where the mass is (the top tokens sit near 0).
 """
 
 import dataclasses
@@ -51,27 +63,36 @@ from train.data import Rows, pad_batch
 
 log = logging.getLogger(__name__)
 
-FIELDS = ("taps", "teacher_logp", "teacher_argmax")
-COMPACT_FIELDS = ("taps", "teacher_ids", "teacher_topk_logp", "teacher_argmax")
 _VERSION = 1
 _FLOAT16_MAX = float(np.finfo(np.float16).max)
 
 
 @dataclasses.dataclass(frozen=True)
 class FeatureStore:
-  """The features of every training row, memory-mapped from ``directory``."""
+  """The features of every training row, memory-mapped from one or more parts.
 
-  directory: str
-  arrays: dict[str, np.ndarray]
+  Row r lives in ``parts[part[r]]`` at row ``offset[r]``.
+  """
+
+  directories: tuple[str, ...]  # the part folders
+  parts: tuple[dict[str, np.ndarray], ...]  # per part: field -> [R_part, ...]
+  part: np.ndarray  # [R] int32
+  offset: np.ndarray  # [R] int64
   draft_vocab_size: int = 0  # Vd, to rebuild a compact teacher (0: stored dense)
 
   def __len__(self) -> int:
-    return self.arrays["taps"].shape[0]
+    return len(self.part)
 
   def take(self, index: np.ndarray) -> dict[str, np.ndarray]:
     """Rows ``index`` as a dict to merge into a ``Rows.take`` batch: taps,
     teacher_logp [n, T, Vd] (rebuilt when stored compact) and teacher_argmax."""
-    out = {name: np.asarray(array[index]) for name, array in self.arrays.items()}
+    index = np.asarray(index)
+    out = {name: np.empty((len(index),) + array.shape[1:], array.dtype)
+           for name, array in self.parts[0].items()}
+    for p in np.unique(self.part[index]):
+      where = np.nonzero(self.part[index] == p)[0]
+      for name, array in self.parts[p].items():
+        out[name][where] = array[self.offset[index[where]]]
     if "teacher_ids" in out:
       out["teacher_logp"] = dense_teacher(out.pop("teacher_ids"),
                                           out.pop("teacher_topk_logp"),
@@ -94,18 +115,46 @@ def dense_teacher(ids: np.ndarray, topk_logp: np.ndarray, vocab: int) -> np.ndar
   return np.maximum(dense, -_FLOAT16_MAX)
 
 
-def features_key(target, rows: Rows, tap_layers, d2t: np.ndarray, dtype: str,
-                 teacher_topk: int = 0) -> str:
-  """A digest of everything the features depend on."""
+def _settings_json(target, tap_layers, dtype: str, teacher_topk: int) -> bytes:
+  return json.dumps({
+      "target": target.source, "config": repr(target.config),
+      "target_precision": target.precision.name, "taps": list(tap_layers),
+      "dtype": dtype, "version": _VERSION,
+      **({"teacher_topk": teacher_topk} if teacher_topk else {})}, sort_keys=True).encode()
+
+
+def settings_key(target, tap_layers, d2t: np.ndarray, dtype: str, teacher_topk: int = 0
+                 ) -> str:
+  """A digest of everything the features depend on besides the rows."""
+  digest = hashlib.sha256()
+  digest.update(np.ascontiguousarray(np.asarray(d2t, np.int64)).tobytes())
+  digest.update(_settings_json(target, tap_layers, dtype, teacher_topk))
+  return digest.hexdigest()[:16]
+
+
+def row_keys(rows: Rows) -> np.ndarray:
+  """[R] 16-byte digests of each row's tokens, segment ids and positions."""
+  keys = np.empty(len(rows), "S16")
+  for r in range(len(rows)):
+    digest = hashlib.sha256()
+    for array in (rows.tokens, rows.segment_ids, rows.positions):
+      digest.update(np.ascontiguousarray(array[r], np.int32).tobytes())
+    keys[r] = digest.digest()[:16]
+  return keys
+
+
+def _part_key(keys: np.ndarray) -> str:
+  return hashlib.sha256(np.ascontiguousarray(keys).tobytes()).hexdigest()[:16]
+
+
+def _legacy_key(target, rows: Rows, tap_layers, d2t: np.ndarray, dtype: str,
+                teacher_topk: int) -> str:
+  """The folder name features of exactly ``rows`` had before parts existed."""
   digest = hashlib.sha256()
   for array in (rows.tokens, rows.segment_ids, rows.positions):
     digest.update(np.ascontiguousarray(array).tobytes())
   digest.update(np.ascontiguousarray(np.asarray(d2t, np.int64)).tobytes())
-  digest.update(json.dumps({
-      "target": target.source, "config": repr(target.config),
-      "target_precision": target.precision.name, "taps": list(tap_layers),
-      "dtype": dtype, "version": _VERSION,
-      **({"teacher_topk": teacher_topk} if teacher_topk else {})}, sort_keys=True).encode())
+  digest.update(_settings_json(target, tap_layers, dtype, teacher_topk))
   return digest.hexdigest()[:16]
 
 
@@ -127,9 +176,8 @@ def row_features(graphdef, params, batch: dict, d2t: jax.Array, *, tap_layers: t
   return out.taps, teacher._replace(logp=None), jax.lax.top_k(teacher.logp, teacher_topk)
 
 
-def _shapes(target, rows: Rows, tap_layers, vocab: int, teacher_topk: int = 0
-            ) -> dict[str, tuple[int, ...]]:
-  num_rows, length = rows.tokens.shape
+def _shapes(target, num_rows: int, length: int, tap_layers, vocab: int,
+            teacher_topk: int = 0) -> dict[str, tuple[int, ...]]:
   shapes = {"taps": (num_rows, length, len(tap_layers) * target.config.hidden_size),
             "teacher_argmax": (num_rows, length)}
   if teacher_topk:
@@ -180,26 +228,27 @@ def _open_arrays(directory: str, shapes: dict, dtype: str, resume: bool
   return arrays
 
 
-def load_or_build(target, rows: Rows, tap_layers, d2t, workdir: str, *,
+def load_or_build(target, rows: Rows, tap_layers, d2t, features_dir: str, *,
                   dtype: str = "float16", batch_size: int = 4, attn_impl: str = "xla",
                   progress: bool = True, teacher_topk: int = 0,
                   batch_callback: Callable[[int], None] | None = None) -> FeatureStore:
-  """The features of ``rows``: loaded when complete, else built (or resumed).
+  """The features of ``rows``: found by row in ``features_dir``, the rest built.
 
   Args:
     target: the frozen ``Target``.
     rows: the packed training rows.
     tap_layers: the head's tap indices (``DartConfig.tap_layers``).
     d2t: [Vd] the head's draft-vocabulary offsets.
-    workdir: the run's directory; features go to ``workdir/features/<key>``.
+    features_dir: the features directory (``data.features_dir``; a run's default
+      is ``WORKDIR/features``).
     dtype: "float16" or "float32" storage of taps and log-probs.
     batch_size: rows per target pass.
     attn_impl: the target's attention implementation.
     progress: show a progress bar.
     teacher_topk: K > 0 stores the compact teacher (the K most likely draft
       ids per position); 0 the dense one. K must be below Vd.
-    batch_callback: called with the rows done after each written batch (tests
-      interrupt a build with it).
+    batch_callback: called with the rows done in the part being built after each
+      written batch (tests interrupt a build with it).
   Raises:
     ConfigError: float16 cannot hold the target's taps.
   """
@@ -208,21 +257,88 @@ def load_or_build(target, rows: Rows, tap_layers, d2t, workdir: str, *,
   if not 0 <= teacher_topk < len(d2t):
     raise ConfigError(f"data.teacher_topk={teacher_topk} must be in [0, {len(d2t)}) (the "
                       "draft vocabulary); 0 stores the whole teacher")
-  directory = os.path.join(workdir, "features", features_key(target, rows, tap_layers, d2t,
-                                                             dtype, teacher_topk))
+  root = os.path.join(features_dir, settings_key(target, tap_layers, d2t, dtype, teacher_topk))
+  keys = row_keys(rows)
+  _adopt_legacy(os.path.join(features_dir, _legacy_key(target, rows, tap_layers, d2t, dtype,
+                                                       teacher_topk)),
+                os.path.join(root, _part_key(keys)), keys)
+  found = _complete_parts(root)
+  # Rows with the same content are computed once.
+  unique_keys, first = np.unique(keys, return_index=True)
+  missing = np.sort(first[[key not in found for key in unique_keys]])
+  if len(missing):
+    directory = os.path.join(root, _part_key(keys[missing]))
+    arrays = _build_part(directory, target, Rows(**rows.take(missing)), keys[missing],
+                         tap_layers, d2t, dtype=dtype, batch_size=batch_size,
+                         attn_impl=attn_impl, progress=progress, teacher_topk=teacher_topk,
+                         batch_callback=batch_callback)
+    for i, key in enumerate(keys[missing]):
+      found[key] = (directory, arrays, i)
+  else:
+    log.info("loaded target features of %d rows from %s", len(rows), root)
+  directories = sorted({found[key][0] for key in keys})
+  part_of = {d: p for p, d in enumerate(directories)}
+  parts = [None] * len(directories)
+  for key in keys:
+    directory, arrays, _ = found[key]
+    parts[part_of[directory]] = arrays
+  return FeatureStore(tuple(directories), tuple(parts),
+                      np.array([part_of[found[key][0]] for key in keys], np.int32),
+                      np.array([found[key][2] for key in keys], np.int64),
+                      len(d2t) if teacher_topk else 0)
+
+
+def _adopt_legacy(legacy: str, part: str, keys: np.ndarray) -> None:
+  """Turns the features of exactly these rows in the layout before parts (one
+  folder named by rows and settings) into the part holding all of them."""
+  if not os.path.isdir(legacy) or os.path.exists(part):
+    return
+  np.save(os.path.join(legacy, "row_keys.npy"), keys)
+  os.makedirs(os.path.dirname(part), exist_ok=True)
+  os.replace(legacy, part)
+  log.info("moved the features in %s to %s", legacy, part)
+
+
+def _complete_parts(root: str) -> dict[bytes, tuple[str, dict, int]]:
+  """Row key -> (part folder, its arrays read-only, row in it) over the complete
+  parts under ``root``; unreadable parts are skipped (and rebuilt if needed)."""
+  found = {}
+  if not os.path.isdir(root):
+    return found
+  for name in sorted(os.listdir(root)):
+    directory = os.path.join(root, name)
+    try:
+      keys = np.load(os.path.join(directory, "row_keys.npy"))
+      fields = [f[:-4] for f in os.listdir(directory)
+                if f.endswith(".npy") and f != "row_keys.npy"]
+      arrays = {f: np.load(os.path.join(directory, f + ".npy"), mmap_mode="r")
+                for f in fields}
+    except (OSError, ValueError):
+      continue
+    if (_read_progress(directory) < len(keys) or not arrays
+        or any(len(a) != len(keys) for a in arrays.values())):
+      continue
+    arrays = {f: arrays[f] for f in sorted(arrays)}
+    for i, key in enumerate(keys):
+      found.setdefault(key, (directory, arrays, i))
+  return found
+
+
+def _build_part(directory: str, target, rows: Rows, keys: np.ndarray, tap_layers, d2t, *,
+                dtype: str, batch_size: int, attn_impl: str, progress: bool,
+                teacher_topk: int, batch_callback) -> dict[str, np.ndarray]:
+  """Computes (or resumes) the features of ``rows`` into the part ``directory``."""
   os.makedirs(directory, exist_ok=True)
-  shapes = _shapes(target, rows, tap_layers, len(d2t), teacher_topk)
+  shapes = _shapes(target, *rows.tokens.shape, tap_layers, len(d2t), teacher_topk)
   done = _read_progress(directory)
   arrays = _open_arrays(directory, shapes, dtype, resume=done > 0)
   if arrays is None:
     log.warning("the features in %s are incomplete or damaged; rebuilding them", directory)
     done = 0
     arrays = _open_arrays(directory, shapes, dtype, resume=False)
+  if done == 0:
+    np.save(os.path.join(directory, "row_keys.npy"), keys)
   num_rows = len(rows)
-  store = FeatureStore(directory, arrays, len(d2t) if teacher_topk else 0)
-  if done >= num_rows:
-    log.info("loaded target features of %d rows from %s", num_rows, directory)
-    return store
 
   from tqdm import tqdm
   log.info("computing target features of rows %d..%d into %s", done, num_rows, directory)
@@ -254,7 +370,7 @@ def load_or_build(target, rows: Rows, tap_layers, d2t, workdir: str, *,
       bar.update(n)
       if batch_callback is not None:
         batch_callback(start + n)
-  return store
+  return {name: arrays[name] for name in sorted(arrays)}
 
 
 def _check_range(taps: np.ndarray, dtype: str) -> None:

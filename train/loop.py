@@ -332,7 +332,8 @@ def _target_features(config: TrainConfig, target, rows: data_lib.Rows, head,
                       f"{config.head.kind} drafter reads the target's layer outputs, use "
                       "data.target_features=online")
   return features_lib.load_or_build(
-      target, rows, dart.config.tap_layers, np.asarray(dart.params["d2t"][...]), workdir,
+      target, rows, dart.config.tap_layers, np.asarray(dart.params["d2t"][...]),
+      config.data.features_dir or os.path.join(workdir, "features"),
       dtype=config.data.features_dtype, batch_size=config.batch_size,
       attn_impl=settings.attn_impl, progress=config.progress,
       teacher_topk=config.data.teacher_topk)

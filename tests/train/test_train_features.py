@@ -1,6 +1,7 @@
 """Cached frozen-target features: same training as the online step, resumable build."""
 
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -45,6 +46,7 @@ def test_stored_features_are_the_target_pass(tiny, tmp_path):
   target, head, rows, d2t = tiny
   store = _build(tiny, tmp_path, dtype="float32")
   assert len(store) == len(rows)
+  stored = store.take(np.array([3]))
   from train.losses import target_attention_mask
   row = 3
   out = target.forward(rows.tokens[row:row + 1], rows.positions[row:row + 1], None,
@@ -55,14 +57,13 @@ def test_stored_features_are_the_target_pass(tiny, tmp_path):
   kept = logits[:, used]
   logp = kept - kept.max(-1, keepdims=True)
   logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
-  np.testing.assert_allclose(store.arrays["taps"][row], np.asarray(out.taps[0]),
-                             rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(store.arrays["teacher_logp"][row], logp, rtol=1e-4, atol=1e-4)
-  np.testing.assert_array_equal(store.arrays["teacher_argmax"][row], logits.argmax(-1))
+  np.testing.assert_allclose(stored["taps"][0], np.asarray(out.taps[0]), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(stored["teacher_logp"][0], logp, rtol=1e-4, atol=1e-4)
+  np.testing.assert_array_equal(stored["teacher_argmax"][0], logits.argmax(-1))
   # float16 storage: the same numbers to half precision.
-  half = _build(tiny, tmp_path / "half", dtype="float16")
-  assert half.arrays["taps"].dtype == np.float16
-  np.testing.assert_allclose(half.arrays["teacher_logp"][row], logp, rtol=2e-3, atol=2e-2)
+  half = _build(tiny, tmp_path / "half", dtype="float16").take(np.array([row]))
+  assert half["taps"].dtype == np.float16
+  np.testing.assert_allclose(half["teacher_logp"][0], logp, rtol=2e-3, atol=2e-2)
 
 
 def test_compact_teacher_keeps_the_top_k_and_the_tail_mass(tiny, tmp_path):
@@ -72,12 +73,14 @@ def test_compact_teacher_keeps_the_top_k_and_the_tail_mass(tiny, tmp_path):
   dense = _build(tiny, tmp_path / "dense", dtype="float32")
   k = 8
   compact = _build(tiny, tmp_path / "compact", dtype="float32", teacher_topk=k)
-  assert "teacher_logp" not in compact.arrays and compact.arrays["teacher_ids"].shape[-1] == k
+  [compact_arrays] = compact.parts
+  assert "teacher_logp" not in compact_arrays and compact_arrays["teacher_ids"].shape[-1] == k
   index = np.arange(len(rows))
-  full = dense.take(index)["teacher_logp"]
+  dense_rows = dense.take(index)
+  full = dense_rows["teacher_logp"]
   rebuilt = compact.take(index)
-  np.testing.assert_array_equal(rebuilt["taps"], dense.arrays["taps"])
-  np.testing.assert_array_equal(rebuilt["teacher_argmax"], dense.arrays["teacher_argmax"])
+  np.testing.assert_array_equal(rebuilt["taps"], dense_rows["taps"])
+  np.testing.assert_array_equal(rebuilt["teacher_argmax"], dense_rows["teacher_argmax"])
   top = np.argsort(-full, axis=-1)[..., :k]
   np.testing.assert_allclose(np.take_along_axis(rebuilt["teacher_logp"], top, -1),
                              np.take_along_axis(full, top, -1), rtol=1e-6, atol=1e-6)
@@ -87,10 +90,10 @@ def test_compact_teacher_keeps_the_top_k_and_the_tail_mass(tiny, tmp_path):
   tail = np.where(rest, np.exp(full), 0).sum(-1)
   np.testing.assert_allclose(np.where(rest, np.exp(rebuilt["teacher_logp"]), 0).sum(-1),
                              tail, rtol=1e-3, atol=1e-6)
-  teacher_bytes = lambda store: sum(a.nbytes for n, a in store.arrays.items()
+  teacher_bytes = lambda store: sum(a.nbytes for n, a in store.parts[0].items()
                                     if n.startswith("teacher_") and n != "teacher_argmax")
   assert teacher_bytes(dense) >= (len(d2t) / (2 * k)) * teacher_bytes(compact)
-  assert compact.directory != dense.directory
+  assert compact.directories != dense.directories
   with pytest.raises(ConfigError, match="teacher_topk"):
     _build(tiny, tmp_path / "bad", teacher_topk=len(d2t))
 
@@ -109,8 +112,9 @@ def test_interrupted_build_resumes_where_it_stopped(tiny, tmp_path):
   resumed_at = []
   store = _build(tiny, tmp_path / "cut", dtype="float32", batch_callback=resumed_at.append)
   assert resumed_at == [4, 5]  # rows 0-1 were kept; batches of 2 from row 2 on
-  for name in features.FIELDS:
-    np.testing.assert_array_equal(store.arrays[name], reference.arrays[name])
+  index = np.arange(len(tiny[2]))
+  for name, values in reference.take(index).items():
+    np.testing.assert_array_equal(store.take(index)[name], values)
   # Complete: a third call computes nothing.
   again = []
   _build(tiny, tmp_path / "cut", dtype="float32", batch_callback=again.append)
@@ -119,27 +123,79 @@ def test_interrupted_build_resumes_where_it_stopped(tiny, tmp_path):
 
 def test_damaged_features_are_rebuilt(tiny, tmp_path):
   store = _build(tiny, tmp_path, dtype="float32")
-  expected = np.array(store.arrays["teacher_logp"])
-  path = os.path.join(store.directory, "teacher_logp.npy")
+  index = np.arange(len(store))
+  expected = store.take(index)["teacher_logp"]
+  [directory] = store.directories
+  path = os.path.join(directory, "teacher_logp.npy")
   with open(path, "r+b") as f:
     f.truncate(os.path.getsize(path) // 2)
   rebuilt = _build(tiny, tmp_path, dtype="float32")
-  np.testing.assert_array_equal(rebuilt.arrays["teacher_logp"], expected)
+  assert rebuilt.directories == store.directories
+  np.testing.assert_array_equal(rebuilt.take(index)["teacher_logp"], expected)
 
 
-def test_key_follows_what_the_features_depend_on(tiny):
+def test_keys_follow_what_the_features_depend_on(tiny):
   target, head, rows, d2t = tiny
   taps = head.config.tap_layers
-  key = features.features_key(target, rows, taps, d2t, "float16")
-  assert key == features.features_key(target, rows, taps, d2t.copy(), "float16")
+  key = features.settings_key(target, taps, d2t, "float16")
+  assert key == features.settings_key(target, taps, d2t.copy(), "float16")
   other_vocab = d2t.copy()
   other_vocab[-1] += 1
-  changed_rows = Rows(rows.tokens.copy(), rows.loss_mask, rows.segment_ids, rows.positions)
-  changed_rows.tokens[0, 0] += 1
-  assert len({key, features.features_key(target, rows, taps, other_vocab, "float16"),
-              features.features_key(target, rows, taps, d2t, "float32"),
-              features.features_key(target, changed_rows, taps, d2t, "float16"),
-              features.features_key(target, rows, taps[::-1], d2t, "float16")}) == 5
+  assert len({key, features.settings_key(target, taps, other_vocab, "float16"),
+              features.settings_key(target, taps, d2t, "float32"),
+              features.settings_key(target, taps, d2t, "float16", teacher_topk=8),
+              features.settings_key(target, taps[::-1], d2t, "float16")}) == 5
+  keys = features.row_keys(rows)
+  assert len(set(keys.tolist())) == len(rows)
+  changed = {name: np.array(value) for name, value in rows.take(np.arange(len(rows))).items()}
+  changed["positions"][2, 3] += 1
+  changed_keys = features.row_keys(Rows(**changed))
+  np.testing.assert_array_equal(changed_keys != keys, np.arange(len(rows)) == 2)
+
+
+def test_a_run_over_more_rows_computes_only_the_new_ones(tiny, tmp_path):
+  """Rows are found by content in any complete part: a second run over a
+  superset, in another order, builds only its new rows and reads the same
+  features as building everything from scratch."""
+  target, head, rows, d2t = tiny
+  first = Rows(**rows.take(np.array([3, 0, 1])))
+  built = []
+  _build((target, head, first, d2t), tmp_path / "shared", dtype="float32",
+         batch_callback=built.append)
+  assert built == [2, 3]
+  more = Rows(**rows.take(np.array([4, 1, 2, 3, 0, 1])))  # 2 new, row 1 twice
+  built.clear()
+  store = _build((target, head, more, d2t), tmp_path / "shared", dtype="float32",
+                 batch_callback=built.append)
+  assert built == [2]  # rows 4 and 2: one batch of two
+  assert len(store.directories) == 2
+  scratch = _build((target, head, more, d2t), tmp_path / "scratch", dtype="float32")
+  index = np.array([5, 0, 3, 1, 2, 4])
+  for name, values in scratch.take(index).items():
+    np.testing.assert_array_equal(store.take(index)[name], values, err_msg=name)
+  # Everything is found now.
+  built.clear()
+  _build((target, head, more, d2t), tmp_path / "shared", dtype="float32",
+         batch_callback=built.append)
+  assert built == []
+
+
+def test_features_from_before_parts_are_reused(tiny, tmp_path):
+  """A run's features in the earlier layout (one folder named by its rows and
+  settings) become a part on the next run over those rows: nothing is recomputed."""
+  target, head, rows, d2t = tiny
+  reference = _build(tiny, tmp_path / "reference", dtype="float32")
+  [part] = reference.directories
+  legacy = tmp_path / "features" / features._legacy_key(target, rows, head.config.tap_layers,
+                                                        d2t, "float32", 0)
+  shutil.copytree(part, legacy)
+  os.remove(legacy / "row_keys.npy")
+  built = []
+  store = _build(tiny, tmp_path / "features", dtype="float32", batch_callback=built.append)
+  assert built == [] and not legacy.exists()
+  index = np.arange(len(rows))
+  for name, values in reference.take(index).items():
+    np.testing.assert_array_equal(store.take(index)[name], values, err_msg=name)
 
 
 def test_cached_training_follows_the_online_run(tmp_path):
