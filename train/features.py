@@ -25,8 +25,9 @@ one folder per *part*, a set of rows computed together:
 A row is found by its content, so a run computes only the rows that no
 complete part holds yet: growing the data, or training on another selection of
 files already seen by a run sharing the directory, reuses every unchanged row
-(next-fit packing realigns a few rows after a changed file boundary). Several
-runs may read one directory; only one at a time should build in it.
+(after a file boundary that moved, next-fit packing makes other rows until it
+realigns; those are built). Several runs may read one directory; only one at
+a time should build in it.
 
 With ``teacher_topk=K`` (``data.teacher_topk``) the teacher is compact: only
 each position's K most likely draft ids and their log-probabilities are kept
