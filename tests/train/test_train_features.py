@@ -221,6 +221,16 @@ def test_cached_training_follows_the_online_run(tmp_path):
   ev = [r for r in metric_records(str(tmp_path / "cached")) if r["split"] == "eval"]
   ev_online = [r for r in online.history if r["split"] == "eval"]
   np.testing.assert_allclose(ev[-1]["loss"], ev_online[-1]["loss"], rtol=1e-4)
+  # A run pointed at these features (data.features_dir) computes none.
+  shared = str(tmp_path / "cached" / "features")
+  parts_before = sorted(os.walk(shared))
+  again = loop.train(overrides.load_config(
+      "tiny", OVERRIDES + ["data.target_features=cached", "data.features_dtype=float32",
+                           f"data.features_dir={shared}", "steps=3"]), str(tmp_path / "again"))
+  assert sorted(os.walk(shared)) == parts_before
+  assert not os.path.exists(tmp_path / "again" / "features")
+  np.testing.assert_allclose([r["loss"] for r in again.history if r["split"] == "train"],
+                             cached_loss[:1], rtol=1e-6)
 
 
 def test_cached_features_are_only_for_dart_heads():
