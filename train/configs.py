@@ -126,10 +126,11 @@ class DataSection:
   max_examples: use only the first N records (0 = all).
   cache: cache tokenized rows under ``WORKDIR/data_cache``.
   target_features: "online" runs the frozen target in every step; "cached"
-    (DART and DART-GRU) runs it once per training row and stores what the
-    loss reads (taps, teacher log-probs over the draft vocabulary, teacher
-    argmax) under ``features_dir``, so later epochs cost only the head
-    (``train/features.py``). Evaluation stays online.
+    runs it once per training row and stores what the loss reads under
+    ``features_dir`` (DART, DART-GRU: taps, teacher log-probs over the draft
+    vocabulary, teacher argmax; DFlash / Domino: the context taps), so later
+    epochs cost only the drafter (``train/features.py``). Evaluation stays
+    online.
   features_dir: where cached features live; "" = ``WORKDIR/features``. Runs
     that share one reuse each other's rows (found by content), so a run over
     more data computes only the new rows.
@@ -265,10 +266,6 @@ class TrainConfig:
     if self.data.features_dtype not in ("float16", "float32"):
       raise ConfigError(f"data.features_dtype must be float16 or float32, got "
                         f"{self.data.features_dtype!r}")
-    if self.data.target_features == "cached" and self.head.kind not in ("dart", "dart_gru"):
-      raise ConfigError(f"data.target_features=cached is for DART heads (head.kind=dart "
-                        f"or dart_gru); a {self.head.kind} drafter reads the target "
-                        "online")
     if not 0 <= self.data.eval_fraction < 1:
       raise ConfigError(f"data.eval_fraction must be in [0, 1), got "
                         f"{self.data.eval_fraction}")

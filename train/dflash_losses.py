@@ -149,7 +149,8 @@ def draft_base(drafter, target_model, taps: jax.Array, tokens: jax.Array,
   embeds = jax.lax.stop_gradient(target_model.embed(ids))
   positions = (anchors[:, :, None] + jnp.arange(block)).reshape(batch, -1)
   mask = training_mask(segment_ids, anchors, block)
-  hidden = drafter.forward_masked(taps, embeds, positions, mask)
+  # Cached taps may be stored narrower (float16) than the target computes.
+  hidden = drafter.forward_masked(taps.astype(embeds.dtype), embeds, positions, mask)
   hidden = hidden.reshape(batch, num_anchors, block, -1)[:, :, 1:]
   return target_model.lm_head_logits(hidden), hidden  # no final norm: DFlash's own
 
@@ -227,7 +228,9 @@ def forward(drafter, target_model, batch: dict, key: jax.Array, *, num_anchors: 
   tokens = batch["tokens"]
   valid = block_targets(batch["loss_mask"], batch["segment_ids"], c.num_depths)
   anchors, pair_valid = losses.choose_anchors(key, valid, num_anchors)
-  taps = target_taps(target_model, batch, c.taps, attn_impl=attn_impl)
+  # Cached features (``train/features.py``) carry the taps; else the target runs.
+  taps = (batch["taps"] if "taps" in batch
+          else target_taps(target_model, batch, c.taps, attn_impl=attn_impl))
   base, hidden = draft_base(drafter, target_model, taps, tokens, batch["segment_ids"],
                             anchors)
   labels = block_labels(tokens, anchors, c.num_depths)

@@ -7,7 +7,9 @@ full vocabulary (the accuracy metric). They never change during training, yet
 the target's forward pass is nearly all of a step's cost (on a 2-core CPU,
 SmolLM2-135M over 4 x 512 tokens: about 11 s of a 12 s step). Computing them
 once turns every later epoch into a head-only pass, as EAGLE-style trainers do
-with offline hidden states.
+with offline hidden states. A DFlash / Domino drafter reads only the outputs of
+its target layers (its labels are the data's tokens), so its features are the
+taps alone (``FeatureSpec.d2t`` None).
 
 Stored under a features directory (``data.features_dir``, by default
 ``WORKDIR/features``), one folder per setting (the target, the tap layers, the
@@ -51,7 +53,7 @@ import hashlib
 import json
 import logging
 import os
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +68,13 @@ log = logging.getLogger(__name__)
 
 _VERSION = 1
 _FLOAT16_MAX = float(np.finfo(np.float16).max)
+
+
+class FeatureSpec(NamedTuple):
+  """What a drafter's training reads from the frozen target per row."""
+
+  tap_layers: tuple[int, ...]  # the target taps (``Target.forward(taps=...)``)
+  d2t: np.ndarray | None  # [Vd] the teacher's draft vocabulary; None: taps only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,11 +133,13 @@ def _settings_json(target, tap_layers, dtype: str, teacher_topk: int) -> bytes:
       **({"teacher_topk": teacher_topk} if teacher_topk else {})}, sort_keys=True).encode()
 
 
-def settings_key(target, tap_layers, d2t: np.ndarray, dtype: str, teacher_topk: int = 0
-                 ) -> str:
-  """A digest of everything the features depend on besides the rows."""
+def settings_key(target, tap_layers, d2t: np.ndarray | None, dtype: str,
+                 teacher_topk: int = 0) -> str:
+  """A digest of everything the features depend on besides the rows (``d2t``
+  None: taps only, no teacher)."""
   digest = hashlib.sha256()
-  digest.update(np.ascontiguousarray(np.asarray(d2t, np.int64)).tobytes())
+  digest.update(b"taps only" if d2t is None
+                else np.ascontiguousarray(np.asarray(d2t, np.int64)).tobytes())
   digest.update(_settings_json(target, tap_layers, dtype, teacher_topk))
   return digest.hexdigest()[:16]
 
@@ -161,15 +172,21 @@ def _legacy_key(target, rows: Rows, tap_layers, d2t: np.ndarray, dtype: str,
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "tap_layers", "attn_impl",
                                              "teacher_topk"))
-def row_features(graphdef, params, batch: dict, d2t: jax.Array, *, tap_layers: tuple[int, ...],
-                 attn_impl: str = "xla", teacher_topk: int = 0):
+def row_features(graphdef, params, batch: dict, d2t: jax.Array | None, *,
+                 tap_layers: tuple[int, ...], attn_impl: str = "xla", teacher_topk: int = 0):
   """One frozen target pass over packed rows [B, T] -> (taps [B, T, n*Ht],
   Teacher at every position [B, T], and with ``teacher_topk`` K the top-K
-  (log-probs [B, T, K], draft ids [B, T, K]) of its log-probs, else None)."""
+  (log-probs [B, T, K], draft ids [B, T, K]) of its log-probs, else None).
+  ``d2t`` None: taps only (no LM head), the other two None."""
   target_model = nnx.merge(graphdef, params)
-  out = target_model(batch["tokens"], batch["positions"], None,
+  tokens = batch["tokens"]
+  out = target_model(tokens, batch["positions"], None,
                      losses.target_attention_mask(batch["segment_ids"]), taps=tap_layers,
-                     attn_impl=attn_impl)
+                     attn_impl=attn_impl,
+                     **({"logit_rows": jnp.zeros((tokens.shape[0], 0), jnp.int32)}
+                        if d2t is None else {}))
+  if d2t is None:
+    return out.taps, None, None
   teacher = losses.teacher_from_logits(out.logits, d2t)
   if not teacher_topk:
     return out.taps, teacher, None
@@ -177,10 +194,12 @@ def row_features(graphdef, params, batch: dict, d2t: jax.Array, *, tap_layers: t
   return out.taps, teacher._replace(logp=None), jax.lax.top_k(teacher.logp, teacher_topk)
 
 
-def _shapes(target, num_rows: int, length: int, tap_layers, vocab: int,
+def _shapes(target, num_rows: int, length: int, tap_layers, vocab: int | None,
             teacher_topk: int = 0) -> dict[str, tuple[int, ...]]:
-  shapes = {"taps": (num_rows, length, len(tap_layers) * target.config.hidden_size),
-            "teacher_argmax": (num_rows, length)}
+  shapes = {"taps": (num_rows, length, len(tap_layers) * target.config.hidden_size)}
+  if vocab is None:
+    return shapes
+  shapes["teacher_argmax"] = (num_rows, length)
   if teacher_topk:
     shapes.update(teacher_ids=(num_rows, length, teacher_topk),
                   teacher_topk_logp=(num_rows, length, teacher_topk))
@@ -238,8 +257,9 @@ def load_or_build(target, rows: Rows, tap_layers, d2t, features_dir: str, *,
   Args:
     target: the frozen ``Target``.
     rows: the packed training rows.
-    tap_layers: the head's tap indices (``DartConfig.tap_layers``).
-    d2t: [Vd] the head's draft-vocabulary offsets.
+    tap_layers: the drafter's target taps (``FeatureSpec.tap_layers``).
+    d2t: [Vd] the head's draft-vocabulary offsets, for the teacher; None
+      stores the taps only (DFlash / Domino: their labels are the data's tokens).
     features_dir: the features directory (``data.features_dir``; a run's default
       is ``WORKDIR/features``).
     dtype: "float16" or "float32" storage of taps and log-probs.
@@ -247,22 +267,27 @@ def load_or_build(target, rows: Rows, tap_layers, d2t, features_dir: str, *,
     attn_impl: the target's attention implementation.
     progress: show a progress bar.
     teacher_topk: K > 0 stores the compact teacher (the K most likely draft
-      ids per position); 0 the dense one. K must be below Vd.
+      ids per position); 0 the dense one. K must be below Vd. Ignored without
+      a teacher.
     batch_callback: called with the rows done in the part being built after each
       written batch (tests interrupt a build with it).
   Raises:
     ConfigError: float16 cannot hold the target's taps.
   """
   tap_layers = tuple(int(i) for i in tap_layers)
-  d2t = np.asarray(d2t)
-  if not 0 <= teacher_topk < len(d2t):
-    raise ConfigError(f"data.teacher_topk={teacher_topk} must be in [0, {len(d2t)}) (the "
-                      "draft vocabulary); 0 stores the whole teacher")
+  if d2t is None:
+    teacher_topk = 0
+  else:
+    d2t = np.asarray(d2t)
+    if not 0 <= teacher_topk < len(d2t):
+      raise ConfigError(f"data.teacher_topk={teacher_topk} must be in [0, {len(d2t)}) (the "
+                        "draft vocabulary); 0 stores the whole teacher")
   root = os.path.join(features_dir, settings_key(target, tap_layers, d2t, dtype, teacher_topk))
   keys = row_keys(rows)
-  _adopt_legacy(os.path.join(features_dir, _legacy_key(target, rows, tap_layers, d2t, dtype,
-                                                       teacher_topk)),
-                os.path.join(root, _part_key(keys)), keys)
+  if d2t is not None:
+    _adopt_legacy(os.path.join(features_dir, _legacy_key(target, rows, tap_layers, d2t, dtype,
+                                                         teacher_topk)),
+                  os.path.join(root, _part_key(keys)), keys)
   found = _complete_parts(root)
   # Rows with the same content are computed once.
   unique_keys, first = np.unique(keys, return_index=True)
@@ -330,7 +355,8 @@ def _build_part(directory: str, target, rows: Rows, keys: np.ndarray, tap_layers
                 teacher_topk: int, batch_callback) -> dict[str, np.ndarray]:
   """Computes (or resumes) the features of ``rows`` into the part ``directory``."""
   os.makedirs(directory, exist_ok=True)
-  shapes = _shapes(target, *rows.tokens.shape, tap_layers, len(d2t), teacher_topk)
+  shapes = _shapes(target, *rows.tokens.shape, tap_layers,
+                   None if d2t is None else len(d2t), teacher_topk)
   done = _read_progress(directory)
   arrays = _open_arrays(directory, shapes, dtype, resume=done > 0)
   if arrays is None:
@@ -343,7 +369,7 @@ def _build_part(directory: str, target, rows: Rows, keys: np.ndarray, tap_layers
 
   from tqdm import tqdm
   log.info("computing target features of rows %d..%d into %s", done, num_rows, directory)
-  device_d2t = jnp.asarray(d2t)
+  device_d2t = None if d2t is None else jnp.asarray(d2t)
   with tqdm(total=num_rows, initial=done, unit="row", desc="target features",
             dynamic_ncols=True, disable=not progress) as bar:
     for start in range(done, num_rows, batch_size):
@@ -355,16 +381,8 @@ def _build_part(directory: str, target, rows: Rows, keys: np.ndarray, tap_layers
       n = len(index)
       _check_range(taps[:n], dtype)
       arrays["taps"][start:start + n] = taps[:n]
-      # float16 turns log-probs below -65504 into -inf, and 0 * inf is NaN in the KL.
-      if teacher_topk:
-        top_logp, top_ids = top
-        arrays["teacher_ids"][start:start + n] = top_ids[:n]
-        arrays["teacher_topk_logp"][start:start + n] = np.maximum(top_logp[:n],
-                                                                  -_FLOAT16_MAX)
-      else:
-        arrays["teacher_logp"][start:start + n] = np.maximum(teacher.logp[:n],
-                                                             -_FLOAT16_MAX)
-      arrays["teacher_argmax"][start:start + n] = teacher.argmax[:n]
+      if teacher is not None:
+        _write_teacher(arrays, slice(start, start + n), teacher, top)
       for array in arrays.values():
         array.flush()
       _write_progress(directory, start + n)
@@ -372,6 +390,19 @@ def _build_part(directory: str, target, rows: Rows, keys: np.ndarray, tap_layers
       if batch_callback is not None:
         batch_callback(start + n)
   return {name: arrays[name] for name in sorted(arrays)}
+
+
+def _write_teacher(arrays: dict, rows: slice, teacher, top) -> None:
+  """Stores a batch's teacher (``row_features``' outputs) in ``arrays[rows]``."""
+  n = rows.stop - rows.start
+  # float16 turns log-probs below -65504 into -inf, and 0 * inf is NaN in the KL.
+  if top is not None:
+    top_logp, top_ids = top
+    arrays["teacher_ids"][rows] = top_ids[:n]
+    arrays["teacher_topk_logp"][rows] = np.maximum(top_logp[:n], -_FLOAT16_MAX)
+  else:
+    arrays["teacher_logp"][rows] = np.maximum(teacher.logp[:n], -_FLOAT16_MAX)
+  arrays["teacher_argmax"][rows] = teacher.argmax[:n]
 
 
 def _check_range(taps: np.ndarray, dtype: str) -> None:

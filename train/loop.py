@@ -13,9 +13,9 @@ it as JSON, so a restarted run continues with exactly the batches and anchors
 it would have seen. After each evaluation the head with the best held-out
 estimated acceptance so far is exported to ``WORKDIR/best`` (``best.json``
 records its step and score, and survives a resume). The target is frozen: its parameters are an argument of the step, never
-differentiated and never saved. With ``data.target_features=cached`` (DART,
-DART-GRU) its pass runs once per training row before the first step
-(``train/features.py``) and batches carry the stored features instead.
+differentiated and never saved. With ``data.target_features=cached`` its pass
+runs once per training row before the first step (``train/features.py``) and
+batches carry the stored features instead.
 """
 
 import dataclasses
@@ -326,13 +326,9 @@ def _target_features(config: TrainConfig, target, rows: data_lib.Rows, head,
   if jax.process_count() > 1:
     raise ConfigError("data.target_features=cached runs on a single host; use "
                       "data.target_features=online on a multi-host run")
-  dart = settings.objective.feature_head(head)
-  if dart is None:
-    raise ConfigError(f"data.target_features=cached stores a DART head's taps; a "
-                      f"{config.head.kind} drafter reads the target's layer outputs, use "
-                      "data.target_features=online")
+  spec = settings.objective.feature_spec(head)
   return features_lib.load_or_build(
-      target, rows, dart.config.tap_layers, np.asarray(dart.params["d2t"][...]),
+      target, rows, spec.tap_layers, spec.d2t,
       config.data.features_dir or os.path.join(workdir, "features"),
       dtype=config.data.features_dtype, batch_size=config.batch_size,
       attn_impl=settings.attn_impl, progress=config.progress,

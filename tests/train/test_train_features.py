@@ -233,9 +233,28 @@ def test_cached_training_follows_the_online_run(tmp_path):
                              cached_loss[:1], rtol=1e-6)
 
 
-def test_cached_features_are_only_for_dart_heads():
-  with pytest.raises(ConfigError, match="for DART heads"):
-    overrides.load_config("tiny_dflash", ["data.target_features=cached"])
+def test_cached_domino_training_follows_the_online_run(tmp_path):
+  """A DFlash / Domino drafter's cached features are its context taps only (its
+  labels are the data's tokens): the same losses and trained drafter as online."""
+  online = loop.train(overrides.load_config("tiny_domino", OVERRIDES), str(tmp_path / "online"))
+  cached = loop.train(overrides.load_config(
+      "tiny_domino", OVERRIDES + ["data.target_features=cached", "data.features_dtype=float32"]),
+      str(tmp_path / "cached"))
+  [settings_dir] = os.listdir(tmp_path / "cached" / "features")
+  [part] = os.listdir(tmp_path / "cached" / "features" / settings_dir)
+  stored = os.listdir(tmp_path / "cached" / "features" / settings_dir / part)
+  assert "taps.npy" in stored and not any(f.startswith("teacher") for f in stored)
+  online_loss = [r["loss"] for r in online.history if r["split"] == "train"]
+  cached_loss = [r["loss"] for r in cached.history if r["split"] == "train"]
+  assert online_loss[-1] < 0.95 * online_loss[0]  # it learns, so the check can fail
+  np.testing.assert_allclose(cached_loss, online_loss, rtol=1e-4)
+  ours = load_file(os.path.join(cached.export_dir, "model.safetensors"))
+  reference = load_file(os.path.join(online.export_dir, "model.safetensors"))
+  for name in reference:
+    np.testing.assert_allclose(ours[name], reference[name], rtol=0, atol=2e-5, err_msg=name)
+
+
+def test_bad_feature_settings_are_clear_errors():
   with pytest.raises(ConfigError, match="online or cached"):
     overrides.load_config("tiny", ["data.target_features=offline"])
   with pytest.raises(ConfigError, match="float16 or float32"):
@@ -266,3 +285,33 @@ def test_dart_gru_loss_from_cached_features_equals_online(tiny, tmp_path):
   assert float(online_stats.count.sum()) > 0
   np.testing.assert_allclose(float(cached_loss), float(online_loss), rtol=1e-5)
   np.testing.assert_array_equal(np.asarray(cached_stats.correct), np.asarray(online_stats.correct))
+
+
+def test_domino_loss_reads_the_cached_taps(tiny, tmp_path):
+  """The DFlash / Domino loss from stored taps equals the online loss, and it
+  does read them: other taps give another loss."""
+  import jax
+
+  from train import dflash_losses
+  from train.objectives import dflash as dflash_objective
+  target, _, rows, _ = tiny
+  drafter = dj.DFlashDrafter.init(target, block_size=4, num_layers=1, domino=True,
+                                  target_layer_ids=(1, 3), emb_dim=16, gru_hidden_dim=12,
+                                  seed=3)
+  spec = dflash_objective.feature_spec(drafter)
+  assert spec.d2t is None
+  store = features.load_or_build(target, rows, spec.tap_layers, None, str(tmp_path),
+                                 dtype="float32", batch_size=2, progress=False)
+  index = np.array([0, 2])
+  online = {k: np.asarray(v) for k, v in rows.take(index).items()}
+  cached = {**online, **store.take(index)}
+  assert set(store.take(index)) == {"taps"}
+
+  def loss(batch):
+    return dflash_losses.forward(drafter.module(), target.module(), batch,
+                                 jax.random.PRNGKey(3), num_anchors=4,
+                                 weights=jax.numpy.ones(3), lam=0.5)[0]
+
+  np.testing.assert_allclose(float(loss(cached)), float(loss(online)), rtol=1e-5)
+  moved = {**cached, "taps": cached["taps"][:, ::-1]}  # (a scale would be normed away)
+  assert abs(float(loss(moved)) - float(loss(online))) > 1e-3

@@ -13,8 +13,8 @@ drafter, so that the loop itself names no kind.
       -> (loss, stats)                       one batch, params differentiable
   step_metrics(settings, step) -> dict       extra per-step scalars (jit-safe)
   summarize(settings, stats) -> dict         host-side metrics of summed stats
-  feature_head(drafter) -> DartHead | None   whose taps the cached target
-                                             features hold (None: not supported)
+  feature_spec(drafter) -> FeatureSpec       what the cached target features
+                                             hold (taps; DART: also the teacher)
   export(drafter, directory)                 the drafter's release format
 """
 

@@ -5,12 +5,14 @@ import logging
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import dart_jax as dj
 from dart_jax.draft.dart_head import Buffer, DartConfig, DartHead, DartHeadModule
 from train import data as data_lib
 from train import losses
+from train.features import FeatureSpec
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +90,9 @@ def summarize(settings, stats) -> dict:
   return losses.summarize(stats, settings.level_decay)
 
 
-def feature_head(head: DartHead) -> DartHead:
-  return head
+def feature_spec(head: DartHead) -> FeatureSpec:
+  """Its taps and its teacher over the draft vocabulary."""
+  return FeatureSpec(head.config.tap_layers, np.asarray(head.params["d2t"][...]))
 
 
 def export(head: DartHead, directory: str) -> None:

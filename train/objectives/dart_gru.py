@@ -15,6 +15,7 @@ from dart_jax.draft.dart_gru import (CORRECTION_CONFIG, CorrectionModule, DartGr
 from dart_jax.draft.dart_head import DartHead
 from dart_jax.errors import ConfigError
 from train import dart_gru_losses
+from train.features import FeatureSpec
 from train.objectives import dart
 
 log = logging.getLogger(__name__)
@@ -95,8 +96,9 @@ def summarize(settings, stats) -> dict:
   return dart_gru_losses.summarize(stats, settings.level_decay)
 
 
-def feature_head(drafter: DartGruDrafter) -> DartHead:
-  return drafter.dart_head()
+def feature_spec(drafter: DartGruDrafter) -> FeatureSpec:
+  """Those of its frozen DART head."""
+  return dart.feature_spec(drafter.dart_head())
 
 
 def export(drafter: DartGruDrafter, directory: str) -> None:

@@ -14,6 +14,7 @@ from dart_jax.draft.dflash import (PROJECTOR_DOMINO, DFlashConfig, DFlashDrafter
                                    default_target_layer_ids)
 from dart_jax.errors import ConfigError
 from train import dflash_losses
+from train.features import FeatureSpec
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +119,9 @@ def summarize(settings, stats) -> dict:
                                  settings.head_config.domino)
 
 
-def feature_head(drafter: DFlashDrafter) -> None:
-  del drafter
-  return None
+def feature_spec(drafter: DFlashDrafter) -> FeatureSpec:
+  """Its context taps only: the labels are the data's tokens."""
+  return FeatureSpec(tuple(drafter.config.taps), None)
 
 
 def export(drafter: DFlashDrafter, directory: str) -> None:
