@@ -293,6 +293,8 @@ def load_or_build(target, rows: Rows, tap_layers, d2t, features_dir: str, *,
   unique_keys, first = np.unique(keys, return_index=True)
   missing = np.sort(first[[key not in found for key in unique_keys]])
   if len(missing):
+    log.info("%d of %d rows have target features in %s; computing the other %d",
+             len(rows) - np.isin(keys, keys[missing]).sum(), len(rows), root, len(missing))
     directory = os.path.join(root, _part_key(keys[missing]))
     arrays = _build_part(directory, target, Rows(**rows.take(missing)), keys[missing],
                          tap_layers, d2t, dtype=dtype, batch_size=batch_size,
