@@ -25,8 +25,8 @@ plain bf16 x bf16 -> bf16 dots are several times slower than float32, and a
 one-row bf16 dot takes a slow path, so one-row ``fast-rows`` dots are padded to
 two rows (``fast`` has three rows per input row already).
 
-On x86-64 CPUs without a bf16 dot unit (no AMX-BF16 / AVX512-BF16), XLA:CPU has
-no fast bf16 path, and its float32 dot grows steeply from one row to two; there
+On x86-64 CPUs without a bf16 matrix unit (no AMX-BF16; AVX512-BF16 alone, as on
+AMD Zen 4, measured no better), XLA:CPU has no fast bf16 path, and its float32 dot grows steeply from one row to two; there
 the float32-activation modes run their dots through ``kernels.cpu_matmul`` (an
 AVX2 + FMA FFI kernel, float32 math on the stored weights, the same numbers for
 a token whatever the call's size) for calls of at most ``CPU_KERNEL_MAX_TOKENS``
@@ -119,11 +119,11 @@ _kernel_switch: list[bool] = []  # innermost ``cpu_kernel(...)`` setting, if any
 
 def cpu_kernel_active() -> bool:
   """True where the float32-activation modes run their dots through
-  ``kernels.cpu_matmul``: the CPU backend on a CPU without a bf16 dot unit, with
+  ``kernels.cpu_matmul``: the CPU backend on a CPU without a bf16 matrix unit (AMX), with
   the kernel built (``DART_JAX_CPU_MATMUL=0`` turns it off)."""
   if _kernel_switch and not _kernel_switch[-1]:
     return False
-  return (jax.default_backend() == "cpu" and not cpu_matmul.cpu_has_bf16_dot_unit()
+  return (jax.default_backend() == "cpu" and not cpu_matmul.cpu_has_bf16_matrix_unit()
           and cpu_matmul.available())
 
 
@@ -141,11 +141,11 @@ def cpu_kernel(enabled: bool) -> Iterator[None]:
 
 def default() -> Precision:
   """``bfloat16`` on TPU/GPU. On CPU ``fast`` (bf16 weights: half the bytes to
-  read), except on a CPU that has neither a bf16 dot unit nor the AVX2 kernel,
+  read), except on a CPU that has neither a bf16 matrix unit nor the AVX2 kernel,
   where XLA's bf16 dots are slower than float32 ones and ``float32`` is faster."""
   if jax.default_backend() != "cpu":
     return BFLOAT16
-  return FAST if cpu_matmul.cpu_has_bf16_dot_unit() or cpu_kernel_active() else FLOAT32
+  return FAST if cpu_matmul.cpu_has_bf16_matrix_unit() or cpu_kernel_active() else FLOAT32
 
 
 def resolve(spec: "Precision | str | Any | None") -> Precision:
@@ -223,13 +223,13 @@ def _uses_cpu_kernel(x: jax.Array, w: jax.Array, precision: Precision,
 
 def _widens_weights(w: jax.Array, precision: Precision) -> bool:
   """Whether ``matmul`` widens bf16 weights to float32 (exactly) and runs a
-  float32 dot: a float32-activation mode on a CPU without a bf16 dot unit, in a
+  float32 dot: a float32-activation mode on a CPU without a bf16 matrix unit, in a
   call the CPU kernel does not take (more than ``CPU_KERNEL_MAX_TOKENS`` tokens:
   prefill, training features). XLA:CPU has no fast bf16 path there: on the AVX2
   CPU a 512-token pass of the embedded model takes 5.2-5.7 s with the split3
   bf16 dot, 1.9-2.2 s widened, 1.7-1.8 s in the float32 mode."""
   return (jnp.dtype(w.dtype) == jnp.dtype(jnp.bfloat16) and precision.dtype == jnp.float32
-          and jax.default_backend() == "cpu" and not cpu_matmul.cpu_has_bf16_dot_unit())
+          and jax.default_backend() == "cpu" and not cpu_matmul.cpu_has_bf16_matrix_unit())
 
 
 def matmul(x: jax.Array, w: jax.Array, precision: Precision, *,

@@ -152,9 +152,9 @@ def test_fast_target_matches_float32_on_the_same_weights():
     (True, False, "fast"), (False, True, "fast"), (False, False, "float32")])
 def test_cpu_default_is_fast_only_where_bf16_weights_pay(monkeypatch, bf16_unit, kernel,
                                                         want):
-  """Without a bf16 dot unit XLA's bf16 dots are slower than float32 (measured
+  """Without a bf16 matrix unit (AMX) XLA's bf16 dots are slower than float32 (measured
   0.84x AR on an AVX2-only CPU); with the AVX2 kernel bf16 weights halve the bytes."""
-  monkeypatch.setattr(precision.cpu_matmul, "cpu_has_bf16_dot_unit", lambda: bf16_unit)
+  monkeypatch.setattr(precision.cpu_matmul, "cpu_has_bf16_matrix_unit", lambda: bf16_unit)
   monkeypatch.setattr(precision.cpu_matmul, "available", lambda: kernel)
   assert precision.default().name == want
   assert precision.cpu_kernel_active() == (kernel and not bf16_unit)
@@ -183,11 +183,11 @@ def _dot_operand_dtypes(fn, *args) -> set[str]:
 
 
 @pytest.mark.parametrize("bf16_unit", [False, True])
-def test_long_calls_widen_bf16_weights_only_without_a_bf16_dot_unit(monkeypatch, bf16_unit):
+def test_long_calls_widen_bf16_weights_only_without_a_bf16_matrix_unit(monkeypatch, bf16_unit):
   """Above the kernel's token limit (prefill, training features) a CPU without a
-  bf16 dot unit runs the float32 dot of the exactly widened weights (XLA:CPU's
+  bf16 matrix unit runs the float32 dot of the exactly widened weights (XLA:CPU's
   bf16 dots have no fast path there); with one, the split3 bf16 dot."""
-  monkeypatch.setattr(precision.cpu_matmul, "cpu_has_bf16_dot_unit", lambda: bf16_unit)
+  monkeypatch.setattr(precision.cpu_matmul, "cpu_has_bf16_matrix_unit", lambda: bf16_unit)
   tokens = precision.CPU_KERNEL_MAX_TOKENS + 1
   w = jnp.asarray(np.random.default_rng(9).standard_normal((40, 96)) * 0.05, jnp.bfloat16)
   x = jnp.asarray(_activations(tokens, 96, seed=10))[None]  # [1, T, K]
