@@ -15,8 +15,8 @@
 4. ``--kernel-ab`` (CPUs where ``kernels.cpu_matmul`` runs): the verify curve and
    AR tokens/s of each mode with the CPU kernel on and off, alternating in one
    process (programs are traced again at each switch). "Off" is XLA's float32
-   dot on the widened bf16 weights: on a CPU without a bf16 matrix unit (AMX) that is
-   what ``matmul`` runs wherever the kernel does not (before session 15 it was
+   dot on the widened bf16 weights: on a CPU without a bf16 matrix unit (AMX)
+   that is what ``matmul`` runs wherever the kernel does not (before session 15 it was
    the ``split3`` bf16 dot, 2-3x slower there). Likewise section 1's bf16 forms
    run through the kernel or widened weights on such a CPU.
 """

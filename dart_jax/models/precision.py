@@ -9,8 +9,8 @@ with its module's ``Precision``. Modes:
   activation exactly into three bfloat16 parts (``hi + mid + lo``, the remainder is
   ~2^-24 |x|), stacks them as extra rows of ONE bf16 x bf16 -> f32 dot and sums
   the row blocks. bf16 products are exact in float32, so the result is as accurate
-  as a float32 dot of the same (bf16) weights, while XLA:CPU runs it on its AMX /
-  AVX512-BF16 path whose cost is nearly flat in the number of rows. Accuracy is
+  as a float32 dot of the same (bf16) weights, while XLA:CPU runs it on its AMX
+  path whose cost is nearly flat in the number of rows. Accuracy is
   what keeps speculative decoding lossless: a target whose numerics depended on
   how many tokens a call holds would verify a tree differently than it decodes.
 - ``fast-rows`` (drafters in fast mode, and work whose numerics need not match the
@@ -25,8 +25,9 @@ plain bf16 x bf16 -> bf16 dots are several times slower than float32, and a
 one-row bf16 dot takes a slow path, so one-row ``fast-rows`` dots are padded to
 two rows (``fast`` has three rows per input row already).
 
-On x86-64 CPUs without a bf16 matrix unit (no AMX-BF16; AVX512-BF16 alone, as on
-AMD Zen 4, measured no better), XLA:CPU has no fast bf16 path, and its float32 dot grows steeply from one row to two; there
+On x86-64 CPUs without a bf16 matrix unit (no AMX-BF16; AVX512-BF16 alone, as
+on AMD Zen 4, measured slower than the kernel), XLA:CPU has no fast bf16 path,
+and its float32 dot grows steeply from one row to two; there
 the float32-activation modes run their dots through ``kernels.cpu_matmul`` (an
 AVX2 + FMA FFI kernel, float32 math on the stored weights, the same numbers for
 a token whatever the call's size) for calls of at most ``CPU_KERNEL_MAX_TOKENS``
@@ -119,8 +120,8 @@ _kernel_switch: list[bool] = []  # innermost ``cpu_kernel(...)`` setting, if any
 
 def cpu_kernel_active() -> bool:
   """True where the float32-activation modes run their dots through
-  ``kernels.cpu_matmul``: the CPU backend on a CPU without a bf16 matrix unit (AMX), with
-  the kernel built (``DART_JAX_CPU_MATMUL=0`` turns it off)."""
+  ``kernels.cpu_matmul``: the CPU backend on a CPU without a bf16 matrix unit
+  (AMX), with the kernel built (``DART_JAX_CPU_MATMUL=0`` turns it off)."""
   if _kernel_switch and not _kernel_switch[-1]:
     return False
   return (jax.default_backend() == "cpu" and not cpu_matmul.cpu_has_bf16_matrix_unit()
@@ -223,8 +224,8 @@ def _uses_cpu_kernel(x: jax.Array, w: jax.Array, precision: Precision,
 
 def _widens_weights(w: jax.Array, precision: Precision) -> bool:
   """Whether ``matmul`` widens bf16 weights to float32 (exactly) and runs a
-  float32 dot: a float32-activation mode on a CPU without a bf16 matrix unit, in a
-  call the CPU kernel does not take (more than ``CPU_KERNEL_MAX_TOKENS`` tokens:
+  float32 dot: a float32-activation mode on a CPU without a bf16 matrix unit, in
+  a call the CPU kernel does not take (more than ``CPU_KERNEL_MAX_TOKENS`` tokens:
   prefill, training features). XLA:CPU has no fast bf16 path there: on the AVX2
   CPU a 512-token pass of the embedded model takes 5.2-5.7 s with the split3
   bf16 dot, 1.9-2.2 s widened, 1.7-1.8 s in the float32 mode."""
