@@ -61,23 +61,55 @@ inline float LaneSum(__m256 v) {
 constexpr int kRowTile = 3;  // rows of x per tile (3 x 4 accumulators + loads fit 16 ymm)
 constexpr int kColTile = 4;  // weight rows per tile
 
+// Requests the weight rows of a column range from memory into L2 ahead of the
+// tiles that read them: from one block ahead, at twice the rate a tile reads,
+// at most kLead bytes past the block being read. So the weight stream runs
+// all the time, also while a block's later row tiles compute from cache.
+// On the 2-core Zen 4, all dense layers of the embedded model (bf16 weights
+// from memory) at 1 / 4 / 7 / 8 rows took 16.0 / 17.4 / 24.1 / 26.3 ms with
+// software prefetch only in the several-row path, and only in a block's first
+// tile; 11.6-12.7 / 16.0-16.6 / 21.3-21.7 / 22.5-22.7 ms with this (medians of
+// 9, alternating runs); a decode step of the model 23 -> 18 ms.
+class Prefetcher {
+ public:
+  static constexpr int64_t kLead = 8192;
+
+  // Weights [begin, end), read in blocks of `block_bytes`.
+  Prefetcher(const void* begin, const void* end, int64_t block_bytes)
+      : end_(static_cast<const char*>(end)),
+        next_(std::min(end_, static_cast<const char*>(begin) + block_bytes)),
+        limit_(next_) {}
+
+  // The tiles now read the block that ends at `block_end`.
+  void Reading(const void* block_end) {
+    limit_ = std::min(end_, static_cast<const char*>(block_end) + kLead);
+  }
+
+  // Called once per step of a tile that reads `bytes` of weights per step.
+  inline void Step(int bytes) {
+    for (int b = 0; b < 2 * bytes && next_ < limit_; b += 64, next_ += 64)
+      _mm_prefetch(next_, _MM_HINT_T1);
+  }
+
+ private:
+  const char* end_;
+  const char* next_;
+  const char* limit_;
+};
+
 // out[r, c] for R rows of x against C consecutive weight rows at w.
-// Optional, for the first row tile of a block of bf16 weights (see Range):
-// `stash` receives the C weight rows widened to float32 (for the other row
-// tiles), and `prefetch` is the next block of weight rows, requested a slice
-// per step of 8 k (C rows x 8 k: the whole block over the loop), so that
-// reading it from memory overlaps this tile's FMAs.
+// Optional: `stash` receives the C weight rows widened to float32, for the
+// other row tiles of a block of bf16 weights (see Range); `prefetch` requests
+// the range's weights ahead.
 template <int R, int C, typename W>
 inline void Tile(const float* x, const W* w, float* out, int64_t k_dim, int64_t n_dim,
-                 float* stash = nullptr, const char* prefetch = nullptr) {
+                 float* stash = nullptr, Prefetcher* prefetch = nullptr) {
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   const int64_t k_vec = k_dim & ~int64_t{7};
   for (int64_t k = 0; k < k_vec; k += 8) {
-    if (prefetch)  // C rows x 8 k of the next block per step: C * 8 * sizeof(W) bytes
-      for (int line = 0; line < C * 8 * int{sizeof(W)}; line += 64)
-        _mm_prefetch(prefetch + k * C * sizeof(W) + line, _MM_HINT_T0);
+    if (prefetch) prefetch->Step(C * 8 * int{sizeof(W)});
     __m256 wv[C];
     for (int c = 0; c < C; ++c) wv[c] = Load8(w + c * k_dim + k);
     if (stash)
@@ -103,56 +135,44 @@ inline void Tile(const float* x, const W* w, float* out, int64_t k_dim, int64_t 
 // column): tiles of kRowTile rows, then single rows.
 template <int C, typename W>
 inline void Column(const float* x, const W* w, float* out, int64_t m_dim,
-                   int64_t k_dim, int64_t n_dim, const char* prefetch = nullptr) {
+                   int64_t k_dim, int64_t n_dim, Prefetcher* prefetch) {
   int64_t m = 0;
-  for (; m + kRowTile <= m_dim; m += kRowTile, prefetch = nullptr)
+  for (; m + kRowTile <= m_dim; m += kRowTile)
     Tile<kRowTile, C>(x + m * k_dim, w, out + m * n_dim, k_dim, n_dim, nullptr, prefetch);
-  for (; m < m_dim; ++m, prefetch = nullptr)
+  for (; m < m_dim; ++m)
     Tile<1, C>(x + m * k_dim, w, out + m * n_dim, k_dim, n_dim, nullptr, prefetch);
 }
 
-// Output columns [n_begin, n_end). With bfloat16 weights and more than one row
-// tile, the first row tile of each block of weight rows reads the bf16 rows and
-// stashes them widened in a float32 buffer that the other row tiles read, so
-// the conversion is not repeated per row tile; meanwhile it prefetches the next
-// block. Reading a block from memory in a separate pass before its FMAs left
-// the two unoverlapped (the weight stream and the FMAs took about equal time at
-// 9 rows); this overlap made a single-thread 9-row pass over the embedded
-// model's layers ~15% faster, and a whole 9-token target pass (two threads,
-// attention included) ~7%. The first tile of every other path prefetches the
-// next block the same way: without it the one-row path (a decode step) left
-// the weight stream to the hardware prefetcher, and all dense layers of the
-// embedded model at one row took 16.0 ms against 10.6 with it (2-core Zen 4,
-// bf16 weights streamed from memory; a whole decode step 23 -> 19 ms). The
-// FMAs are the same, so the outputs are bitwise the same.
+// Output columns [n_begin, n_end), in blocks of kColTile weight rows. With
+// bfloat16 weights and more than one row tile, the first row tile of each
+// block reads the bf16 rows and stashes them widened in a float32 buffer that
+// the other row tiles read, so the conversion is not repeated per row tile.
+// Meanwhile `prefetch` keeps the rows that follow coming from memory (see
+// Prefetcher). The FMAs do not depend on either, so the outputs do not.
 template <typename W>
 void Range(const float* x, const W* w, float* out, int64_t m_dim, int64_t k_dim,
              int64_t n_dim, int64_t n_begin, int64_t n_end) {
   const bool widen_once = std::is_same_v<W, uint16_t> && m_dim > kRowTile;
   thread_local std::vector<float> block;
   if (widen_once) block.resize(kColTile * k_dim);
-  // The block after the C weight rows at wn, if it is in this range.
-  auto next = [&](const W* wn, int64_t c) -> const char* {
-    return wn + 2 * c * k_dim <= w + n_end * k_dim
-        ? reinterpret_cast<const char*>(wn + c * k_dim) : nullptr;
-  };
+  Prefetcher prefetch(w + n_begin * k_dim, w + n_end * k_dim,
+                      kColTile * k_dim * int64_t{sizeof(W)});
   int64_t n = n_begin;
-  if (m_dim == 1) {  // one row: more weight rows in flight hide FMA latency
-    for (; n + 2 * kColTile <= n_end; n += 2 * kColTile)
-      Tile<1, 2 * kColTile>(x, w + n * k_dim, out + n, k_dim, n_dim, nullptr,
-                            next(w + n * k_dim, 2 * kColTile));
-  }
   for (; n + kColTile <= n_end; n += kColTile) {
     const W* wn = w + n * k_dim;
+    prefetch.Reading(wn + kColTile * k_dim);
     if (widen_once) {
-      Tile<kRowTile, kColTile>(x, wn, out + n, k_dim, n_dim, block.data(), next(wn, kColTile));
+      Tile<kRowTile, kColTile>(x, wn, out + n, k_dim, n_dim, block.data(), &prefetch);
       Column<kColTile>(x + kRowTile * k_dim, block.data(), out + kRowTile * n_dim + n,
-                       m_dim - kRowTile, k_dim, n_dim);
+                       m_dim - kRowTile, k_dim, n_dim, &prefetch);
     } else {
-      Column<kColTile>(x, wn, out + n, m_dim, k_dim, n_dim, next(wn, kColTile));
+      Column<kColTile>(x, wn, out + n, m_dim, k_dim, n_dim, &prefetch);
     }
   }
-  for (; n < n_end; ++n) Column<1>(x, w + n * k_dim, out + n, m_dim, k_dim, n_dim);
+  for (; n < n_end; ++n) {
+    prefetch.Reading(w + (n + 1) * k_dim);
+    Column<1>(x, w + n * k_dim, out + n, m_dim, k_dim, n_dim, &prefetch);
+  }
 }
 
 // ---------------------------------------------------------------- threads
