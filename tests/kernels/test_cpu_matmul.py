@@ -90,10 +90,13 @@ def test_switched_off_by_the_environment(monkeypatch, caplog):
 def test_cpu_flags_decide_support(monkeypatch):
   monkeypatch.setattr(cpu_matmul, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
   assert cpu_matmul.cpu_supports_kernel() and not cpu_matmul.cpu_has_bf16_matrix_unit()
-  # AVX512-BF16 without AMX (AMD Zen 4): XLA's bf16 dots measured slower than the kernel.
+  assert not cpu_matmul.cpu_has_bf16_dot_instruction()
+  # AVX512-BF16 without AMX (AMD Zen 4): XLA's bf16 dots measured slower than the
+  # kernel at few rows, faster than widened float32 at many.
   monkeypatch.setattr(cpu_matmul, "cpu_flags",
                       lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))
   assert cpu_matmul.cpu_supports_kernel() and not cpu_matmul.cpu_has_bf16_matrix_unit()
+  assert cpu_matmul.cpu_has_bf16_dot_instruction()
   monkeypatch.setattr(cpu_matmul, "cpu_flags", lambda: frozenset({"avx", "amx_bf16"}))
   assert not cpu_matmul.cpu_supports_kernel() and cpu_matmul.cpu_has_bf16_matrix_unit()
 

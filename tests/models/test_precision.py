@@ -182,6 +182,28 @@ def _dot_operand_dtypes(fn, *args) -> set[str]:
           for v in eqn.invars}
 
 
+@pytest.mark.parametrize("dot_instruction", [False, True])
+def test_long_rounded_rows_use_the_bf16_dot_where_the_cpu_has_a_bf16_dot_instruction(
+    monkeypatch, dot_instruction):
+  """``fast-rows`` calls above the kernel's token limit (training features in
+  that mode, drafters' long prompts) keep XLA's bf16 dot on an AVX512-BF16 CPU,
+  where it is faster than the widened float32 dot; ``fast`` (exact) widens."""
+  monkeypatch.setattr(precision.cpu_matmul, "cpu_has_bf16_matrix_unit", lambda: False)
+  monkeypatch.setattr(precision.cpu_matmul, "cpu_has_bf16_dot_instruction",
+                      lambda: dot_instruction)
+  tokens = precision.CPU_KERNEL_MAX_TOKENS + 1
+  w = jnp.asarray(np.random.default_rng(11).standard_normal((40, 96)) * 0.05, jnp.bfloat16)
+  x = jnp.asarray(_activations(tokens, 96, seed=12))[None]
+  rows = lambda a: matmul(a, w, FAST_ROWS, transposed=True)
+  exact = lambda a: matmul(a, w, FAST, transposed=True)
+  assert _dot_operand_dtypes(rows, x) == ({"bfloat16"} if dot_instruction else {"float32"})
+  assert _dot_operand_dtypes(exact, x) == {"float32"}
+  if dot_instruction:
+    want = jax.lax.dot_general(x[0].astype(jnp.bfloat16), w, (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(rows)(x))[0], np.asarray(want))
+
+
 @pytest.mark.parametrize("bf16_unit", [False, True])
 def test_long_calls_widen_bf16_weights_only_without_a_bf16_matrix_unit(monkeypatch, bf16_unit):
   """Above the kernel's token limit (prefill, training features) a CPU without a
