@@ -182,25 +182,35 @@ struct Work {
   std::atomic<int64_t> active{0};
 };
 
-// Runs range(n_begin, n_end) over [0, n_dim) in chunks of `chunk` columns on
-// the calling thread and the XLA intra-op pool's other threads.
+// Runs item(i) for i in [0, items), in order of i, on the calling thread and
+// the XLA intra-op pool's other threads.
 template <typename Fn>
-void Parallel(ffi::ThreadPool& pool, int64_t n_dim, int64_t chunk, Fn range) {
-  const int64_t chunks = (n_dim + chunk - 1) / chunk;
+void Parallel(ffi::ThreadPool& pool, int64_t items, Fn item) {
   const int64_t helpers =
-      std::max<int64_t>(0, std::min<int64_t>(pool.num_threads() - 1, chunks - 1));
+      std::max<int64_t>(0, std::min<int64_t>(pool.num_threads() - 1, items - 1));
   auto work = std::make_shared<Work>();
   auto drain = [=]() {
     work->active.fetch_add(1);
-    for (int64_t c; (c = work->next.fetch_add(1)) < chunks;)
-      range(c * chunk, std::min(n_dim, (c + 1) * chunk));
+    for (int64_t i; (i = work->next.fetch_add(1)) < items;) item(i);
     work->active.fetch_sub(1);
   };
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([drain]() { drain(); });
   drain();
-  // Every chunk is taken; wait for helpers still running one. A helper that
-  // starts later finds no chunk and touches no buffer.
+  // Every item is taken; wait for helpers still running one. A helper that
+  // starts later finds no item and touches no buffer.
   while (work->active.load() != 0) std::this_thread::yield();
+}
+
+// Rows of x per row block: a block's rows stay in a core's L2 (1 MB on the
+// Zen 4) while every weight block meets them. Without row blocks each block of
+// kColTile weight rows streamed all of x: a prefill of 64 x 128 tokens
+// (8,192 rows, 19 MB of x per layer input) ran at 327 tokens/s against 619 for
+// 16 x 128.
+constexpr int64_t kRowBlockBytes = 512 * 1024;
+
+inline int64_t RowBlock(int64_t k_dim) {
+  const int64_t rows = kRowBlockBytes / (k_dim * int64_t{sizeof(float)});
+  return std::max<int64_t>(kRowTile, rows - rows % kRowTile);
 }
 
 template <ffi::DataType WT>
@@ -216,8 +226,16 @@ ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const W* wp = reinterpret_cast<const W*>(w.untyped_data());
   float* op = out->typed_data();
   if (m_dim == 0 || n_dim == 0) return ffi::Error::Success();
-  Parallel(pool, n_dim, kColTile * 16, [=](int64_t b, int64_t e) {
-    Range(xp, wp, op, m_dim, k_dim, n_dim, b, e);
+  // Work items: (row block, column chunk), row block major, so that both
+  // threads read the same rows of x while the weights stream.
+  constexpr int64_t kColChunk = kColTile * 16;
+  const int64_t row_block = RowBlock(k_dim);
+  const int64_t col_chunks = (n_dim + kColChunk - 1) / kColChunk;
+  const int64_t row_blocks = (m_dim + row_block - 1) / row_block;
+  Parallel(pool, row_blocks * col_chunks, [=](int64_t i) {
+    const int64_t m = (i / col_chunks) * row_block, n = (i % col_chunks) * kColChunk;
+    Range(xp + m * k_dim, wp, op + m * n_dim, std::min(row_block, m_dim - m), k_dim, n_dim,
+          n, std::min(n_dim, n + kColChunk));
   });
   return ffi::Error::Success();
 }

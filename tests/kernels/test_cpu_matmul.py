@@ -25,10 +25,11 @@ def _case(m, k, n, dtype, seed=0):
 @needs_kernel
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("m,k,n", [(1, 64, 48), (2, 37, 13), (7, 200, 45), (5, 37, 9),
-                                   (65, 96, 264)])
+                                   (65, 96, 264), (200, 1540, 70)])
 def test_matches_float64_to_float32_accuracy(dtype, m, k, n):
   """Shapes cover every tail: rows past the 3-row tile, k % 8, n % 4 and n % 8,
-  and k % 8 where the first row tile stashes the widened bf16 rows (m > 3)."""
+  k % 8 where the first row tile stashes the widened bf16 rows (m > 3), and
+  rows over several row blocks (85 rows each at k = 1540, the last one short)."""
   x, w, exact, magnitude = _case(m, k, n, dtype)
   got = np.asarray(jax.jit(cpu_matmul.rows_matmul)(x, w))
   assert got.shape == (m, n) and got.dtype == np.float32
@@ -40,12 +41,14 @@ def test_matches_float64_to_float32_accuracy(dtype, m, k, n):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_a_row_is_bitwise_the_same_whatever_the_call_holds(dtype):
-  """The property that keeps speculative decoding lossless."""
-  x, w, _, _ = _case(40, 77, 70, dtype, seed=1)
+@pytest.mark.parametrize("m,k", [(40, 77), (200, 1540)])
+def test_a_row_is_bitwise_the_same_whatever_the_call_holds(dtype, m, k):
+  """The property that keeps speculative decoding lossless (also across the
+  row blocks of a long call: 85 rows each at k = 1540)."""
+  x, w, _, _ = _case(m, k, 70, dtype, seed=1)
   dot = jax.jit(cpu_matmul.rows_matmul)
   full = np.asarray(dot(x, w))
-  for start, size in ((0, 1), (5, 1), (3, 2), (10, 4), (0, 9), (31, 9)):
+  for start, size in ((0, 1), (5, 1), (3, 2), (10, 4), (0, 9), (31, 9), (m - 7, 7)):
     np.testing.assert_array_equal(np.asarray(dot(x[start:start + size], w)),
                                   full[start:start + size])
 
