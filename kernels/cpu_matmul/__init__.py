@@ -93,13 +93,24 @@ def _cache_dir() -> pathlib.Path:
   return pathlib.Path(root) / "kernels"
 
 
+def compile_flags() -> list[str]:
+  """Instruction-set flags for this CPU: AVX2 + FMA, and AVX-512F/VL where the
+  CPU has them (the kernel's 256-bit code then has 32 registers and a larger
+  tile; see ``rows_matmul.cc``)."""
+  flags = ["-mavx2", "-mfma"]
+  if {"avx512f", "avx512vl"} <= cpu_flags():
+    flags += ["-mavx512f", "-mavx512vl"]
+  return flags
+
+
 def build(compiler: str) -> pathlib.Path:
-  """Compiles ``rows_matmul.cc`` (once per source, jaxlib and compiler) and
-  returns the shared library's path. Raises ``RuntimeError`` with the compiler's
-  output on failure."""
+  """Compiles ``rows_matmul.cc`` (once per source, flags, jaxlib and compiler)
+  and returns the shared library's path. Raises ``RuntimeError`` with the
+  compiler's output on failure."""
   import jaxlib  # pylint: disable=import-outside-toplevel
+  flags = compile_flags()
   key = hashlib.sha256(SOURCE.read_bytes() + jaxlib.__version__.encode()
-                       + compiler.encode()).hexdigest()[:16]
+                       + compiler.encode() + " ".join(flags).encode()).hexdigest()[:16]
   out = _cache_dir() / f"rows_matmul-{key}.so"
   if out.exists():
     return out
@@ -107,7 +118,7 @@ def build(compiler: str) -> pathlib.Path:
   # Build beside the target and rename: a concurrent process never loads half a file.
   with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
     partial = pathlib.Path(tmp) / out.name
-    cmd = [compiler, "-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w",
+    cmd = [compiler, "-O3", *flags, "-std=c++17", "-shared", "-fPIC", "-w",
            f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(partial)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:

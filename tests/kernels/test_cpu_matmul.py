@@ -103,6 +103,24 @@ def test_cpu_flags_decide_support(monkeypatch):
   monkeypatch.setattr(cpu_matmul, "cpu_flags", lambda: frozenset({"avx", "amx_bf16"}))
   assert not cpu_matmul.cpu_supports_kernel() and cpu_matmul.cpu_has_bf16_matrix_unit()
 
+  assert cpu_matmul.compile_flags() == ["-mavx2", "-mfma"]
+
+
+def test_avx512_cpus_get_the_larger_tile_and_both_variants_build(monkeypatch, tmp_path):
+  """The flags pick the tile (4 x 6 with AVX-512VL's 32 registers, else 3 x 4);
+  the variant this CPU does not run must still compile."""
+  monkeypatch.setattr(cpu_matmul, "cpu_flags",
+                      lambda: frozenset({"avx2", "fma", "avx512f", "avx512vl"}))
+  assert cpu_matmul.compile_flags()[-2:] == ["-mavx512f", "-mavx512vl"]
+  compiler = cpu_matmul._compiler()  # pylint: disable=protected-access
+  if compiler is None:
+    pytest.skip("no C++ compiler")
+  monkeypatch.setenv("DART_JAX_CACHE", str(tmp_path))
+  wide = cpu_matmul.build(compiler)
+  monkeypatch.setattr(cpu_matmul, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+  narrow = cpu_matmul.build(compiler)
+  assert wide != narrow and wide.stat().st_size > 0 and narrow.stat().st_size > 0
+
 
 @needs_kernel
 def test_bench_times_every_form(monkeypatch):
