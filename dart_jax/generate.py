@@ -18,13 +18,28 @@ from dart_jax.decode.ar import Decoder
 from dart_jax.decode.methods import make_decoder
 from dart_jax.errors import InputError
 from dart_jax.models.target import Target
+from dart_jax.models.transformer import grow_caches
 from dart_jax.profiling import CompileWatch
+from kernels.tree_attention.ops import resolve_impl
 from dart_jax.sampling import SamplingConfig
 
 _PROMPT_PAD = 32  # prefill lengths are padded to a multiple of this (fewer compiles)
 _MIN_ATTEND = 64  # smallest cache window a round reads
 _CAPACITY_STEP = 256  # cache capacities are multiples of this (fewer compiles)
 _MIN_KEPT_BATCH = 8  # finished sequences are dropped down to batches of this
+
+
+def cache_rows(attend_len: int, scratch_rows: int, capacity: int) -> int:
+  """Cache rows a round that reads ``attend_len`` rows needs: those and the
+  rows it writes past them (at most ``capacity``)."""
+  return min(attend_len + scratch_rows, capacity)
+
+
+def grows_caches(target: Target) -> bool:
+  """Whether ``run_rounds`` starts the caches small and grows them: where
+  attention is XLA's on one device (reading a prefix of a larger buffer is a
+  copy there; the Pallas kernels skip unused rows themselves)."""
+  return target.mesh is None and resolve_impl(target.attn_impl.partition(":")[0]) == "xla"
 
 
 def attend_bucket(length: int, capacity: int) -> int:
@@ -155,8 +170,13 @@ def run_rounds(target: Target, prompt_ids: list[list[int]], decoder: Decoder,
 
   stats = GenerateStats()
   t0 = time.perf_counter()
+  grows = grows_caches(target)
+  rows = capacity
+  if grows:
+    rows = max(padded_len, cache_rows(attend_bucket(longest + 1, capacity),
+                                      decoder.scratch_rows, capacity))
   state, first = decoder.start(target.place_batch(tokens), target.place_batch(prompt_lens),
-                               capacity, None)
+                               capacity, None, cache_rows=rows)
   first = np.asarray(first)
   stats.time_to_first_token_s = time.perf_counter() - t0
   emitted = [[] for _ in range(batch)]
@@ -187,6 +207,9 @@ def run_rounds(target: Target, prompt_ids: list[list[int]], decoder: Decoder,
         state, slot_rows = _drop_finished(decoder, state, slot_rows, done)
       active = (slot_rows >= 0) & ~done[np.maximum(slot_rows, 0)]
       attend_len = attend_bucket(int(committed[slot_rows[active]].max()) + 1, capacity)
+      if grows and cache_rows(attend_len, decoder.scratch_rows, capacity) > rows:
+        extra = cache_rows(attend_len, decoder.scratch_rows, capacity) - rows
+        state, rows = grow_caches(state, extra), rows + extra
       state, new_tokens, num_new = decoder.step(state, target.place_batch(active), attend_len)
       new_tokens, num_new = np.asarray(new_tokens), np.asarray(num_new)
       stats.rounds += 1

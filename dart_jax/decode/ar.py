@@ -25,8 +25,13 @@ class Decoder(Protocol):
   scratch_rows: int  # cache rows a round writes past the committed length
 
   def start(self, tokens: jax.Array, prompt_lens: jax.Array, capacity: int,
-            key: jax.Array) -> tuple[Any, jax.Array]:
-    """Prefill right-padded ``tokens [B, Tp]``; returns (state, first tokens [B])."""
+            key: jax.Array, cache_rows: int | None = None) -> tuple[Any, jax.Array]:
+    """Prefill right-padded ``tokens [B, Tp]``; returns (state, first tokens [B]).
+
+    ``capacity``: the most cache rows the sequences will need. ``cache_rows``
+    (default ``capacity``, at least ``Tp``): the rows the KV caches start with;
+    ``generate`` grows them later (``transformer.grow_caches``).
+    """
 
   def step(self, state: Any, active: jax.Array, attend_len: int
            ) -> tuple[Any, jax.Array, jax.Array]:
@@ -63,10 +68,10 @@ class ARDecoder:
     self.keys = KeySequence(seed)
     self.num_rows = 0  # the call's batch size, set by ``start``
 
-  def start(self, tokens, prompt_lens, capacity, key=None):
+  def start(self, tokens, prompt_lens, capacity, key=None, cache_rows=None):
     t = self.target
     self.num_rows = tokens.shape[0]
-    cache = t.new_cache(self.num_rows, capacity)
+    cache = t.new_cache(self.num_rows, cache_rows or capacity)
     first, cache, _ = prefill(t.graphdef, t.params, cache, tokens, prompt_lens,
                               self.keys.next(), sampling=self.sampling, taps=(),
                               attn_impl=t.attn_impl)

@@ -96,18 +96,22 @@ class Proposer(Protocol):
 
 
 @functools.partial(jax.jit, static_argnames=("target_graphdef", "proposer", "sampling",
-                                             "attn_impl"),
+                                             "attn_impl", "capacity"),
                    donate_argnames=("cache", "draft_cache"))
 def speculative_prefill(target_graphdef, target_params, draft_params, cache, draft_cache,
                         tokens, prompt_lens, key, *, proposer: Proposer,
-                        sampling: SamplingConfig, attn_impl: str):
-  """The shared prefill plus the proposer's start -> (first tokens [B], RoundState)."""
+                        sampling: SamplingConfig, attn_impl: str, capacity: int):
+  """The shared prefill plus the proposer's start -> (first tokens [B], RoundState).
+
+  capacity: the most target cache rows the sequences will need (the history's
+  length follows it; the caches may start smaller and grow).
+  """
   first, cache, taps = prefill(target_graphdef, target_params, cache, tokens, prompt_lens,
                                key, sampling=sampling, taps=proposer.taps,
                                attn_impl=attn_impl)
   batch = tokens.shape[0]
   # Acceptance writes up to max_depth + 1 tokens after the root.
-  history = jnp.zeros((batch, cache.capacity + proposer.max_depth + 1), jnp.int32)
+  history = jnp.zeros((batch, capacity + proposer.max_depth + 1), jnp.int32)
   history = layers.write_rows(history, tokens, jnp.zeros((batch,), jnp.int32))
   history = layers.write_rows(history, first[:, None], prompt_lens)
   target_model = nnx.merge(target_graphdef, target_params)
@@ -182,14 +186,15 @@ class SpeculativeDecoder:
     self.timer = PhaseTimer()
     self.phase_s = self.timer.seconds  # filled in profile mode
 
-  def start(self, tokens, prompt_lens, capacity, key=None):
+  def start(self, tokens, prompt_lens, capacity, key=None, cache_rows=None):
     t, p = self.target, self.proposer
     p.check_fits(capacity, tokens.shape[1])
-    batch = tokens.shape[0]
+    batch, rows = tokens.shape[0], cache_rows or capacity
     first, state = speculative_prefill(
-        t.graphdef, t.params, self.draft_params, t.new_cache(batch, capacity),
-        p.new_draft_cache(batch, capacity, t.dtype, t.attn_impl, t.mesh), tokens, prompt_lens,
-        self.keys.next(), proposer=p, sampling=self.sampling, attn_impl=t.attn_impl)
+        t.graphdef, t.params, self.draft_params, t.new_cache(batch, rows),
+        p.new_draft_cache(batch, rows, t.dtype, t.attn_impl, t.mesh), tokens, prompt_lens,
+        self.keys.next(), proposer=p, sampling=self.sampling, attn_impl=t.attn_impl,
+        capacity=capacity)
     return state, first
 
   def step(self, state, active, attend_len):

@@ -9,6 +9,8 @@ import pytest
 import dart_jax as dj
 from dart_jax.decode.ar import ARDecoder
 from dart_jax.generate import attend_bucket, encode_prompts, kept_batch_size
+from dart_jax.models.transformer import KVCache
+from dart_jax.ngram import NGram
 from dart_jax.sampling import SamplingConfig, processed_log_probs
 from tests.helpers import FIXTURES
 
@@ -129,6 +131,43 @@ def test_dropping_finished_sequences_changes_no_token(target, monkeypatch, tempe
   assert sizes == [16, 8]
   assert dropped == kept
   assert len({len(t) for t in kept}) > 10  # the rows really ended at different times
+
+
+def test_a_grown_cache_keeps_its_entries():
+  cache = KVCache.create(2, batch=3, capacity=8, num_kv_heads=2, head_dim=4,
+                         layout="bhsd")
+  filled = cache.replace(k=tuple(b + 1.0 for b in cache.k))
+  grown = filled.grow(20)
+  assert grown.capacity == 20 and grown.k[1].shape == (3, 2, 20, 4)
+  np.testing.assert_array_equal(grown.k[1][:, :, :8], filled.k[1])
+  assert not np.asarray(grown.k[1][:, :, 8:]).any()
+  with pytest.raises(ValueError, match="cannot shrink"):
+    grown.grow(10)
+
+
+@pytest.mark.parametrize("method", ["ar", "dart"])
+def test_growing_caches_changes_no_token(target, monkeypatch, method):
+  # 50-token prompts and 40 new tokens: the attention window goes 64 -> 128 rows,
+  # so the caches start at 64 + scratch rows and grow once.
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(3, 200, size=48 + i).tolist() for i in range(3)]
+  kwargs = {}
+  if method == "dart":
+    head = dj.DartHead.init(target, draft_length=3, draft_vocab_size=60, seed=4)
+    kwargs = dict(draft=head, ngram=NGram.build(prompts, order=3))
+  run = lambda: dj.generate(target, prompts, max_new_tokens=40, max_length=512,
+                            eos_token_ids=(), **kwargs).tokens
+  generate_module = importlib.import_module("dart_jax.generate")
+  grown = []
+  grow_caches = generate_module.grow_caches
+  def recording_grow_caches(state, extra_rows):
+    grown.append(extra_rows)
+    return grow_caches(state, extra_rows)
+  monkeypatch.setattr(generate_module, "grow_caches", recording_grow_caches)
+  growing = run()
+  assert grown == [64]
+  monkeypatch.setattr(generate_module, "grows_caches", lambda target: False)
+  assert run() == growing and grown == [64]
 
 
 def test_attend_bucket():
