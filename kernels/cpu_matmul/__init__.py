@@ -155,21 +155,30 @@ def available() -> bool:
 def rows_matmul_reference(x: jax.Array, w: jax.Array) -> jax.Array:
   """What ``rows_matmul`` computes, as an XLA dot (float32 accumulation).
 
-  x: [M, K] float32; w: [N, K] -> [M, N] float32.
+  x: [..., M, K] float32; w: [..., N, K] (the same leading dims) -> [..., M, N]
+  float32.
   """
+  batch = tuple(range(x.ndim - 2))
   return jax.lax.dot_general(x.astype(jnp.float32), w.astype(jnp.float32),
-                             (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                             (((x.ndim - 1,), (w.ndim - 1,)), (batch, batch)),
+                             preferred_element_type=jnp.float32)
 
 
 @jax.custom_jvp
 def rows_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
   """``x @ w.T`` with the FFI kernel; call only when ``available()``.
 
-  x: [M, K] float32; w: [N, K] float32 or bfloat16 -> [M, N] float32.
-  Differentiable: derivatives use ``rows_matmul_reference``.
+  x: [..., M, K] float32; w: [..., N, K] float32 or bfloat16, the same leading
+  (batch) dims -> [..., M, N] float32. Differentiable: derivatives use
+  ``rows_matmul_reference``.
   """
+  if x.ndim < 2 or w.ndim != x.ndim or x.shape[:-2] != w.shape[:-2] or (
+      x.shape[-1] != w.shape[-1]):
+    raise ValueError(f"rows_matmul: x {x.shape} and w {w.shape} are not [..., M, K] and "
+                     "[..., N, K] with equal leading dims")
   name, _ = _TARGETS[jnp.dtype(w.dtype)]
-  return jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32),
+  return jax.ffi.ffi_call(name, jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[-2],),
+                                                     jnp.float32),
                           vmap_method="sequential")(x, w)
 
 

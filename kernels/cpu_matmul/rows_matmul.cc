@@ -230,29 +230,43 @@ inline int64_t RowBlock(int64_t k_dim) {
   return std::max<int64_t>(kRowTile, rows - rows % kRowTile);
 }
 
+// x [..., M, K] @ w [..., N, K].T -> out [..., M, N]; the leading (batch) dims
+// of x and w are equal (none for a dense layer; batch and key/value heads for
+// attention scores, where each item is a few rows against its own keys).
 template <ffi::DataType WT>
 ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
                       ffi::ResultBuffer<ffi::F32> out) {
   using W = std::conditional_t<WT == ffi::F32, float, uint16_t>;
   auto xd = x.dimensions();
   auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
-    return ffi::Error::InvalidArgument("rows_matmul: expected x [M, K] and w [N, K]");
-  const int64_t m_dim = xd[0], k_dim = xd[1], n_dim = wd[0];
+  const size_t rank = xd.size();
+  bool ok = rank >= 2 && wd.size() == rank && xd[rank - 1] == wd[rank - 1];
+  int64_t batch = 1;
+  for (size_t i = 0; ok && i + 2 < rank; ++i) {
+    ok = xd[i] == wd[i];
+    batch *= xd[i];
+  }
+  if (!ok)
+    return ffi::Error::InvalidArgument(
+        "rows_matmul: expected x [..., M, K] and w [..., N, K] with equal leading dims");
+  const int64_t m_dim = xd[rank - 2], k_dim = xd[rank - 1], n_dim = wd[rank - 2];
   const float* xp = x.typed_data();
   const W* wp = reinterpret_cast<const W*>(w.untyped_data());
   float* op = out->typed_data();
-  if (m_dim == 0 || n_dim == 0) return ffi::Error::Success();
-  // Work items: (row block, column chunk), row block major, so that both
-  // threads read the same rows of x while the weights stream.
+  if (batch == 0 || m_dim == 0 || n_dim == 0) return ffi::Error::Success();
+  // Work items: (batch item, row block, column chunk), row block major within
+  // an item, so that both threads read the same rows of x while the weights
+  // stream.
   constexpr int64_t kColChunk = kColTile * 16;
   const int64_t row_block = RowBlock(k_dim);
   const int64_t col_chunks = (n_dim + kColChunk - 1) / kColChunk;
   const int64_t row_blocks = (m_dim + row_block - 1) / row_block;
-  Parallel(pool, row_blocks * col_chunks, [=](int64_t i) {
-    const int64_t m = (i / col_chunks) * row_block, n = (i % col_chunks) * kColChunk;
-    Range(xp + m * k_dim, wp, op + m * n_dim, std::min(row_block, m_dim - m), k_dim, n_dim,
-          n, std::min(n_dim, n + kColChunk));
+  const int64_t per_item = row_blocks * col_chunks;
+  Parallel(pool, batch * per_item, [=](int64_t i) {
+    const int64_t b = i / per_item, j = i % per_item;
+    const int64_t m = (j / col_chunks) * row_block, n = (j % col_chunks) * kColChunk;
+    Range(xp + (b * m_dim + m) * k_dim, wp + b * n_dim * k_dim, op + (b * m_dim + m) * n_dim,
+          std::min(row_block, m_dim - m), k_dim, n_dim, n, std::min(n_dim, n + kColChunk));
   });
   return ffi::Error::Success();
 }

@@ -65,6 +65,28 @@ def test_derivatives_equal_the_reference_dots():
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_batched_items_equal_their_own_calls(dtype):
+  """Leading dims are independent items (attention scores: batch x key/value
+  heads, a few query rows against each item's own keys)."""
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.standard_normal((2, 3, 7, 64)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((2, 3, 131, 64)), dtype)
+  got = np.asarray(cpu_matmul.rows_matmul(x, w))
+  assert got.shape == (2, 3, 7, 131)
+  for b in range(2):
+    for h in range(3):
+      np.testing.assert_array_equal(got[b, h], np.asarray(cpu_matmul.rows_matmul(x[b, h], w[b, h])))
+  want = np.einsum("bhmk,bhnk->bhmn", np.asarray(x, np.float64),
+                   np.asarray(w.astype(jnp.float32), np.float64))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+  np.testing.assert_allclose(np.asarray(cpu_matmul.rows_matmul_reference(x, w)), want,
+                             rtol=1e-5, atol=1e-5 * np.abs(want).max())
+  with pytest.raises(ValueError, match="equal leading dims"):
+    cpu_matmul.rows_matmul(x, w[:1])
+
+
+@needs_kernel
 def test_mismatched_inner_dimensions_are_an_error():
   with pytest.raises(Exception, match="rows_matmul"):
     jax.block_until_ready(cpu_matmul.rows_matmul(jnp.ones((2, 8)), jnp.ones((16, 9))))

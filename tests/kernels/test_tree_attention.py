@@ -216,3 +216,24 @@ def test_gpu_num_splits_fill_the_device_but_keep_blocks_per_split():
   assert pallas_gpu.choose_num_splits(8, 8192, 64, 132) == 32
   assert pallas_gpu.choose_num_splits(8, 1024, 64, 132) == 4  # >= 4 blocks each.
   assert pallas_gpu.choose_num_splits(512, 8192, 64, 132) == 1  # Already full.
+
+
+def test_cpu_cache_scores_use_the_rows_kernel_and_do_not_depend_on_the_other_queries():
+  """Head-major caches on CPU score through ``kernels.cpu_matmul`` (XLA's batched
+  dot of a few rows was 9x slower); a query's scores must not depend on how many
+  tree tokens share the call, or DART's verify would differ from decoding."""
+  from kernels import cpu_matmul  # pylint: disable=import-outside-toplevel
+  from kernels.tree_attention import reference  # pylint: disable=import-outside-toplevel
+  if not cpu_matmul.available():
+    pytest.skip("the CPU kernel is not built here")
+  rng = np.random.default_rng(5)
+  qg = jnp.asarray(rng.standard_normal((2, 7, 3, 3, 64)), jnp.float32)  # [B, T, Hkv, G, hd]
+  keys = jnp.asarray(rng.standard_normal((2, 3, 40, 64)), jnp.float32)  # [B, Hkv, S, hd]
+  assert reference._scores_kernel_runs(keys, token_major=False)  # pylint: disable=protected-access
+  assert not reference._scores_kernel_runs(keys, token_major=True)  # pylint: disable=protected-access
+  scores = np.asarray(reference._cache_scores(qg, keys, False))  # pylint: disable=protected-access
+  assert scores.shape == (2, 3, 3, 7, 40)
+  alone = np.asarray(reference._cache_scores(qg[:, 3:4], keys, False))  # pylint: disable=protected-access
+  np.testing.assert_array_equal(scores[:, :, :, 3:4], alone)
+  want = np.einsum("btkgd,bksd->bkgts", np.asarray(qg, np.float64), np.asarray(keys, np.float64))
+  np.testing.assert_allclose(scores, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
