@@ -2,7 +2,7 @@
 
 ``rows_matmul(x, w)`` computes ``x @ w.T`` for float32 ``x [M, K]`` and float32 or
 bfloat16 ``w [N, K]`` (the checkpoint layout), in float32 (bf16 weights widened
-exactly). Each output
+exactly); leading dims, equal in both, are independent items (attention scores). Each output
 is computed the same way whatever M is, so a model's numbers for a token do not
 depend on how many tokens one call holds; see ``rows_matmul.cc`` for why this is
 faster than XLA:CPU's dot at 2-64 rows.
