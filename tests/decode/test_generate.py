@@ -101,17 +101,19 @@ def test_generation_stops_at_max_length(target):
 
 
 def test_kept_batch_size():
-  assert kept_batch_size(64, 128) == 64 and kept_batch_size(65, 128) == 128
-  assert kept_batch_size(20, 128) == 32 and kept_batch_size(1, 128) == 8
+  # Multiples of 8, and only when that drops a quarter of the rows or more.
+  assert kept_batch_size(65, 128) == 72 and kept_batch_size(96, 128) == 96
+  assert kept_batch_size(97, 128) == 128  # 104 rows would drop less than a quarter
+  assert kept_batch_size(20, 128) == 24 and kept_batch_size(1, 128) == 8
   assert kept_batch_size(9, 20) == 20 and kept_batch_size(8, 20) == 8
-  assert kept_batch_size(3, 12) == 12  # 8 is more than half of 12
+  assert kept_batch_size(3, 12) == 8 and kept_batch_size(3, 10) == 10
   assert kept_batch_size(0, 3) == 3
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_dropping_finished_sequences_changes_no_token(target, monkeypatch, temperature):
   # Prompts of 10..49 tokens in a 64-row cache run out of room one after another,
-  # so the batch of 40 shrinks to 16 and then to 8 sequences.
+  # so the batch of 40 shrinks to 24, 16 and then 8 sequences.
   rng = np.random.default_rng(0)
   prompts = [rng.integers(3, 200, size=10 + i).tolist() for i in range(40)]
   run = lambda: dj.generate(target, prompts, max_new_tokens=60, max_length=64,
@@ -123,12 +125,12 @@ def test_dropping_finished_sequences_changes_no_token(target, monkeypatch, tempe
     return keep_rows(self, state, slots)
   monkeypatch.setattr(ARDecoder, "keep_rows", recording_keep_rows)
   dropped = run()
-  assert sizes == [16, 8]
+  assert sizes == [24, 16, 8]
   # `dart_jax.generate` as an attribute is the function, so import the module by name.
   generate_module = importlib.import_module("dart_jax.generate")
-  monkeypatch.setattr(generate_module, "_MIN_KEPT_BATCH", 10**6)  # never shrink
+  monkeypatch.setattr(generate_module, "_KEPT_BATCH_STEP", 10**6)  # never shrink
   kept = run()
-  assert sizes == [16, 8]
+  assert sizes == [24, 16, 8]
   assert dropped == kept
   assert len({len(t) for t in kept}) > 10  # the rows really ended at different times
 
