@@ -1,10 +1,13 @@
 """Target model call modes: prefill, decode and tree verify agree with each other."""
 
+import re
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from dart_jax.models import ModelConfig, Target, causal_mask
+from dart_jax.models import target as target_lib
 from dart_jax.models.transformer import KVCache
 from kernels.tree_attention import HEAD_MAJOR, TOKEN_MAJOR
 
@@ -194,3 +197,19 @@ def test_tree_verify_through_kernels_matches_reference(impl):
     results.append(target.forward(tokens, cache.lengths[:, None] + depth, cache, mask,
                                   attend_len=16).logits)
   np.testing.assert_allclose(results[1], results[0], atol=1e-4)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_decode_step_does_not_copy_the_cache(batch):
+  """A one-token step over a prefix of a donated cache updates it in place: no
+  whole K/V buffer is copied (XLA:CPU copied every layer's buffers twice when
+  a one-row write was fused into the attention's prefix slice)."""
+  t = Target.init(CONFIGS["llama_gqa"], seed=1)
+  cache = t.new_cache(batch, 64).replace(lengths=jnp.full((batch,), 20, jnp.int32))
+  compiled = target_lib._forward.lower(  # pylint: disable=protected-access
+      t.graphdef, t.params, jnp.zeros((batch, 1), jnp.int32),
+      jnp.full((batch, 1), 20, jnp.int32), cache, jnp.ones((batch, 1, 1), bool),
+      attend_len=32, taps=(), logit_rows=None, attn_impl=t.attn_impl).compile()
+  buffer = ",".join(map(str, cache.k[0].shape))
+  copies = re.findall(rf"= f32\[{buffer}\]\{{[0-9,]+\}} copy\(", compiled.as_text())
+  assert not copies, f"{len(copies)} whole-buffer copies of the cache"
