@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).with_name("rows_matmul.cc")
 ENV_SWITCH = "DART_JAX_CPU_MATMUL"
+AMX_ENV_SWITCH = "DART_JAX_CPU_AMX"
 _TARGETS = {  # weight dtype -> (FFI target name, library symbol)
     jnp.dtype(jnp.float32): ("dart_rows_matmul_f32", "DartRowsMatmulF32"),
     jnp.dtype(jnp.bfloat16): ("dart_rows_matmul_bf16", "DartRowsMatmulBF16"),
@@ -94,12 +95,15 @@ def _cache_dir() -> pathlib.Path:
 
 
 def compile_flags() -> list[str]:
-  """Instruction-set flags for this CPU: AVX2 + FMA, and AVX-512F/VL where the
+  """Instruction-set flags for this CPU: AVX2 + FMA, AVX-512F/VL where the
   CPU has them (the kernel's 256-bit code then has 32 registers and a larger
-  tile; see ``rows_matmul.cc``)."""
+  tile; see ``rows_matmul.cc``), and AMX-TILE/BF16 (the tile path for bf16
+  weights)."""
   flags = ["-mavx2", "-mfma"]
   if {"avx512f", "avx512vl"} <= cpu_flags():
     flags += ["-mavx512f", "-mavx512vl"]
+  if {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx512vl"} <= cpu_flags():
+    flags += ["-mamx-tile", "-mamx-bf16", "-mavx512bf16"]
   return flags
 
 
@@ -146,10 +150,34 @@ def available() -> bool:
     for name, symbol in _TARGETS.values():
       jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)),
                                   platform="cpu")
+    _enable_amx(library)
   except (RuntimeError, OSError, AttributeError) as e:
     log.warning("cpu_matmul: could not build or load the kernel, using XLA's dot: %s", e)
     return False
   return True
+
+
+_amx_state: list[bool] = []  # [True] once the AMX path is on in this process
+
+
+def _enable_amx(library) -> None:
+  """Turns on the kernel's AMX path for bf16 weights where the CPU has AMX-BF16
+  and Linux grants the tile state (``DART_JAX_CPU_AMX=0`` keeps the AVX2 path)."""
+  if not {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx512vl"} <= cpu_flags():
+    return
+  if os.environ.get(AMX_ENV_SWITCH, "1") in ("0", "false", "off"):
+    log.info("cpu_matmul: AMX path off (%s=%s)", AMX_ENV_SWITCH, os.environ[AMX_ENV_SWITCH])
+    return
+  if library.DartRowsMatmulEnableAmx(1) == 1:
+    _amx_state.append(True)
+  else:
+    log.warning("cpu_matmul: Linux refused the AMX tile state; bf16 weights take the AVX2 path")
+
+
+def amx_active() -> bool:
+  """True when bf16-weight calls of ``rows_matmul`` run on the AMX tile unit
+  (each row split exactly into three bf16 parts; see ``rows_matmul.cc``)."""
+  return available() and bool(_amx_state)
 
 
 def rows_matmul_reference(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -191,5 +219,5 @@ def _rows_matmul_jvp(primals, tangents):
 
 
 __all__ = ["rows_matmul", "rows_matmul_reference", "available", "cpu_flags",
-           "cpu_supports_kernel", "cpu_has_bf16_matrix_unit", "cpu_has_bf16_dot_instruction",
+           "cpu_supports_kernel", "cpu_has_bf16_matrix_unit", "amx_active", "cpu_has_bf16_dot_instruction",
            "build"]

@@ -18,6 +18,8 @@
 // one by one would (what keeps speculative decoding lossless).
 
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -192,6 +194,152 @@ void Range(const float* x, const W* w, float* out, int64_t m_dim, int64_t k_dim,
   }
 }
 
+// ---------------------------------------------------------------- AMX
+
+// On a CPU with AMX-BF16 (Intel Sapphire Rapids and later) bf16 weights go
+// through the tile unit instead: each row of x is split exactly into three
+// bf16 parts (hi + mid + lo == x up to ~2^-24 |x|, as precision.split3 does),
+// the parts are the columns of B, a block of 16 weight rows is A, and
+// TDPBF16PS accumulates C[n, c] += sum_k A[n, k] B[k, c] in float32 (bf16
+// products are exact in float32). So one pass reads each weight once and
+// does 16 columns (5 rows of x) per tile product: a tree of 33 tokens costs
+// little more than one token. A column's sum runs over k in the same order
+// whatever else the call holds, so the result is M-invariant like the AVX2
+// path; the three parts of a row are added as sum_split3 adds them.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define DART_HAVE_AMX 1
+
+bool g_amx_enabled = false;
+
+constexpr int kAmxRowsPerBlock = 5;      // rows of x per 16-column block (3 parts each)
+constexpr int64_t kAmxK = 32;            // bf16 values of k per tile row
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0-3 accumulate C, 4-5 hold A (weights), 6-7 hold B (x parts); all 16
+// rows of 64 bytes.
+inline void ConfigureTiles() {
+  TileConfig config{};
+  config.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// One column block of B: rows [5 j, 5 j + 5) of x [M, K] -> [K/2, 16, 2] bf16
+// (the VNNI layout TDPBF16PS reads): pair kk, column 3 i + p holds part p of
+// x[5 j + i, 2 kk .. 2 kk + 1]; column 15 and rows past M are zero. The parts
+// are rounded to nearest even by VCVTNEPS2BF16; 16 values of k are 8 pairs,
+// one 32-bit word each, scattered 16 words apart.
+void PackSplitBlock(const float* x, int64_t m_dim, int64_t k_dim, int64_t block,
+                    uint16_t* packed) {
+  std::memset(packed, 0, k_dim * 16 * sizeof(uint16_t));
+  const __m256i stride = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
+  for (int i = 0; i < kAmxRowsPerBlock; ++i) {
+    const int64_t m = block * kAmxRowsPerBlock + i;
+    if (m >= m_dim) break;
+    int32_t* column = reinterpret_cast<int32_t*>(packed) + 3 * i;
+    for (int64_t k = 0; k < k_dim; k += 16) {
+      const __m512 v = _mm512_loadu_ps(x + m * k_dim + k);
+      const __m256bh hi = _mm512_cvtneps_pbh(v);
+      const __m512 rest = _mm512_sub_ps(v, _mm512_cvtpbh_ps(hi));
+      const __m256bh mid = _mm512_cvtneps_pbh(rest);
+      const __m256bh lo = _mm512_cvtneps_pbh(_mm512_sub_ps(rest, _mm512_cvtpbh_ps(mid)));
+      int32_t* words = column + (k / 2) * 16;
+      _mm256_i32scatter_epi32(words, stride, reinterpret_cast<__m256i>(hi), 4);
+      _mm256_i32scatter_epi32(words + 1, stride, reinterpret_cast<__m256i>(mid), 4);
+      _mm256_i32scatter_epi32(words + 2, stride, reinterpret_cast<__m256i>(lo), 4);
+    }
+  }
+}
+
+// out[m, n] for the rows of column block `block` from its C tile [16 n, 16 c].
+inline void UnpackSplitRows(const float* c_tile, int64_t block, int64_t m_dim,
+                            int64_t n_dim, int64_t n, float* out) {
+  for (int i = 0; i < kAmxRowsPerBlock; ++i) {
+    const int64_t m = block * kAmxRowsPerBlock + i;
+    if (m >= m_dim) break;
+    for (int r = 0; r < 16; ++r) {
+      const float* parts = c_tile + r * 16 + 3 * i;
+      out[m * n_dim + n + r] = parts[0] + (parts[1] + parts[2]);
+    }
+  }
+}
+
+// NB blocks of 16 weight rows at w (row n) against JB column blocks from
+// `block`: C tiles over all of k, then unpacked into out.
+template <int NB, int JB>
+inline void AmxTile(const uint16_t* w, const uint16_t* packed, int64_t block, int64_t m_dim,
+                    int64_t k_dim, int64_t n_dim, int64_t n, float* out) {
+  _tile_zero(0);
+  if (JB > 1) _tile_zero(1);
+  if (NB > 1) _tile_zero(2);
+  if (NB > 1 && JB > 1) _tile_zero(3);
+  const int64_t w_stride = k_dim * int64_t{sizeof(uint16_t)};
+  const uint16_t* b0 = packed + block * k_dim * 16;
+  const uint16_t* b1 = b0 + k_dim * 16;
+  // Tile registers are not renamed, so a tile load waits for the products that
+  // read the register before it: the weights must already be in cache. Each
+  // step requests the same columns of the next 2 blocks of weight rows.
+  const char* ahead = reinterpret_cast<const char*>(w + NB * 16 * k_dim);
+  for (int64_t k = 0; k < k_dim; k += kAmxK) {
+    for (int r = 0; r < 32; ++r)
+      _mm_prefetch(ahead + r * w_stride + 2 * k, _MM_HINT_T1);
+    _tile_loadd(6, b0 + k * 16, 64);
+    if (JB > 1) _tile_loadd(7, b1 + k * 16, 64);
+    _tile_loadd(4, w + k, w_stride);
+    if (NB > 1) _tile_loadd(5, w + 16 * k_dim + k, w_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    if (JB > 1) _tile_dpbf16ps(1, 4, 7);
+    if (NB > 1) _tile_dpbf16ps(2, 5, 6);
+    if (NB > 1 && JB > 1) _tile_dpbf16ps(3, 5, 7);
+  }
+  alignas(64) float c_tile[16 * 16];
+  _tile_stored(0, c_tile, 64);
+  UnpackSplitRows(c_tile, block, m_dim, n_dim, n, out);
+  if (JB > 1) {
+    _tile_stored(1, c_tile, 64);
+    UnpackSplitRows(c_tile, block + 1, m_dim, n_dim, n, out);
+  }
+  if (NB > 1) {
+    _tile_stored(2, c_tile, 64);
+    UnpackSplitRows(c_tile, block, m_dim, n_dim, n + 16, out);
+  }
+  if (NB > 1 && JB > 1) {
+    _tile_stored(3, c_tile, 64);
+    UnpackSplitRows(c_tile, block + 1, m_dim, n_dim, n + 16, out);
+  }
+}
+
+// Output columns [n_begin, n_end) (multiples of 16) for every row.
+void AmxRange(const uint16_t* w, const uint16_t* packed, int64_t m_dim, int64_t k_dim,
+              int64_t n_dim, int64_t n_begin, int64_t n_end, float* out) {
+  ConfigureTiles();
+  const int64_t blocks = (m_dim + kAmxRowsPerBlock - 1) / kAmxRowsPerBlock;
+  for (int64_t j = 0; j < blocks; j += 2) {
+    const bool pair = j + 1 < blocks;
+    int64_t n = n_begin;
+    for (; n + 32 <= n_end; n += 32) {
+      if (pair) AmxTile<2, 2>(w + n * k_dim, packed, j, m_dim, k_dim, n_dim, n, out);
+      else AmxTile<2, 1>(w + n * k_dim, packed, j, m_dim, k_dim, n_dim, n, out);
+    }
+    if (n < n_end) {
+      if (pair) AmxTile<1, 2>(w + n * k_dim, packed, j, m_dim, k_dim, n_dim, n, out);
+      else AmxTile<1, 1>(w + n * k_dim, packed, j, m_dim, k_dim, n_dim, n, out);
+    }
+  }
+  _tile_release();
+}
+#endif  // __AMX_TILE__ && __AMX_BF16__
+
 // ---------------------------------------------------------------- threads
 
 struct Work {
@@ -217,6 +365,45 @@ void Parallel(ffi::ThreadPool& pool, int64_t items, Fn item) {
   // starts later finds no item and touches no buffer.
   while (work->active.load() != 0) std::this_thread::yield();
 }
+
+#ifdef DART_HAVE_AMX
+// The AMX path of RowsMatmul for bf16 weights (k a multiple of 32): x packed
+// once per call, work items of whole 16-row blocks of weights; the last n % 16
+// columns (none in the models served) take the AVX2 loop.
+void AmxMatmul(ffi::ThreadPool& pool, const float* x, const uint16_t* w, float* out,
+               int64_t batch, int64_t m_dim, int64_t k_dim, int64_t n_dim) {
+  const int64_t blocks = (m_dim + kAmxRowsPerBlock - 1) / kAmxRowsPerBlock;
+  const int64_t packed_size = blocks * k_dim * 16;
+  thread_local std::vector<uint16_t> packed;
+  packed.resize(batch * packed_size);
+  uint16_t* pp = packed.data();
+  for (int64_t i = 0; i < batch * blocks; ++i) {
+    const int64_t b = i / blocks;
+    PackSplitBlock(x + b * m_dim * k_dim, m_dim, k_dim, i % blocks,
+                   pp + b * packed_size + (i % blocks) * k_dim * 16);
+  }
+  const int64_t n_tiles = n_dim - n_dim % 16;
+  // About four work items per thread, whole pairs of 16-row blocks each: few
+  // enough that configuring the tiles per item costs nothing, enough that the
+  // threads finish together.
+  const int64_t per_thread = 4 * std::max<int64_t>(1, pool.num_threads());
+  const int64_t chunk = std::max<int64_t>(32, (n_tiles / per_thread + 31) / 32 * 32);
+  const int64_t chunks = (n_tiles + chunk - 1) / chunk;
+  const int64_t per_item = chunks + (n_tiles < n_dim ? 1 : 0);
+  Parallel(pool, batch * per_item, [=](int64_t i) {
+    const int64_t b = i / per_item, j = i % per_item;
+    const uint16_t* wb = w + b * n_dim * k_dim;
+    float* ob = out + b * m_dim * n_dim;
+    if (j < chunks) {
+      const int64_t n = j * chunk;
+      AmxRange(wb, pp + b * packed_size, m_dim, k_dim, n_dim, n, std::min(n_tiles, n + chunk),
+               ob);
+    } else {
+      Range(x + b * m_dim * k_dim, wb, ob, m_dim, k_dim, n_dim, n_tiles, n_dim);
+    }
+  });
+}
+#endif
 
 // Rows of x per row block: a block's rows stay in a core's L2 (1 MB on the
 // Zen 4) while every weight block meets them. Without row blocks each block of
@@ -254,6 +441,14 @@ ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const W* wp = reinterpret_cast<const W*>(w.untyped_data());
   float* op = out->typed_data();
   if (batch == 0 || m_dim == 0 || n_dim == 0) return ffi::Error::Success();
+#ifdef DART_HAVE_AMX
+  if constexpr (std::is_same_v<W, uint16_t>) {
+    if (g_amx_enabled && k_dim % kAmxK == 0) {
+      AmxMatmul(pool, xp, wp, op, batch, m_dim, k_dim, n_dim);
+      return ffi::Error::Success();
+    }
+  }
+#endif
   // Work items: (batch item, row block, column chunk), row block major within
   // an item, so that both threads read the same rows of x while the weights
   // stream.
@@ -283,3 +478,20 @@ ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 
 DART_ROWS_MATMUL(DartRowsMatmulF32, ffi::F32)
 DART_ROWS_MATMUL(DartRowsMatmulBF16, ffi::BF16)
+
+// Asks Linux for the AMX tile state (once per process) and, if granted, sends
+// bf16 weights through the AMX path. Returns 1 if that path is on, else 0 (built
+// without AMX, or the kernel refused).
+extern "C" int DartRowsMatmulEnableAmx(int enable) {
+#ifdef DART_HAVE_AMX
+  constexpr long kArchReqXcompPerm = 0x1023;
+  constexpr long kXfeatureXtiledata = 18;
+  if (enable && !g_amx_enabled)
+    g_amx_enabled = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  if (!enable) g_amx_enabled = false;
+  return g_amx_enabled ? 1 : 0;
+#else
+  (void)enable;
+  return 0;
+#endif
+}

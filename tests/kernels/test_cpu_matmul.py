@@ -53,6 +53,38 @@ def test_a_row_is_bitwise_the_same_whatever_the_call_holds(dtype, m, k):
                                   full[start:start + size])
 
 
+needs_amx = pytest.mark.skipif(not cpu_matmul.amx_active(),
+                               reason="needs a CPU with AMX-BF16 and the tile state granted")
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [1, 4, 5, 6, 10, 11, 33, 128])
+@pytest.mark.parametrize("k,n", [(64, 48), (576, 200), (1536, 40)])
+def test_amx_path_is_float32_accurate_and_m_invariant(m, k, n):
+  """bf16 weights with k % 32 == 0 take the tile path: each row split into three
+  bf16 parts, 5 rows per 16-column block (m = 5, 6, 10, 11 cross block and
+  block-pair boundaries), n % 16 columns (n = 200, 40) on the AVX2 loop."""
+  x, w, exact, magnitude = _case(m, k, n, jnp.bfloat16, seed=m)
+  dot = jax.jit(cpu_matmul.rows_matmul)
+  got = np.asarray(dot(x, w))
+  assert np.all(np.abs(got - exact) <= k * 2.0 ** -24 * magnitude + 1e-30)
+  for start in sorted({0, m // 2, m - 1}):
+    np.testing.assert_array_equal(np.asarray(dot(x[start:start + 1], w)), got[start:start + 1])
+  if m > 6:
+    np.testing.assert_array_equal(np.asarray(dot(x[1:7], w)), got[1:7])
+
+
+@needs_amx
+def test_amx_path_switched_off_by_the_environment_keeps_the_avx2_path(monkeypatch, caplog):
+  monkeypatch.setenv(cpu_matmul.AMX_ENV_SWITCH, "0")
+  library = type("Library", (), {"DartRowsMatmulEnableAmx": lambda self, on: 1 / 0})()
+  state = list(cpu_matmul._amx_state)  # pylint: disable=protected-access
+  with caplog.at_level(logging.INFO, logger=cpu_matmul.__name__):
+    cpu_matmul._enable_amx(library)  # pylint: disable=protected-access
+  assert cpu_matmul._amx_state == state  # pylint: disable=protected-access
+  assert cpu_matmul.AMX_ENV_SWITCH in caplog.text
+
+
 @needs_kernel
 def test_derivatives_equal_the_reference_dots():
   x, w, _, _ = _case(5, 24, 16, jnp.float32, seed=2)
@@ -126,11 +158,14 @@ def test_cpu_flags_decide_support(monkeypatch):
   assert not cpu_matmul.cpu_supports_kernel() and cpu_matmul.cpu_has_bf16_matrix_unit()
 
   assert cpu_matmul.compile_flags() == ["-mavx2", "-mfma"]
+  monkeypatch.setattr(cpu_matmul, "cpu_flags", lambda: frozenset(
+      {"avx2", "fma", "avx512f", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"}))
+  assert cpu_matmul.compile_flags()[-3:] == ["-mamx-tile", "-mamx-bf16", "-mavx512bf16"]
 
 
 def test_avx512_cpus_get_the_larger_tile_and_both_variants_build(monkeypatch, tmp_path):
-  """The flags pick the tile (4 x 6 with AVX-512VL's 32 registers, else 3 x 4);
-  the variant this CPU does not run must still compile."""
+  """The flags pick the tile (4 x 6 with AVX-512VL's 32 registers, else 3 x 4)
+  and the AMX path; the variants this CPU does not run must still compile."""
   monkeypatch.setattr(cpu_matmul, "cpu_flags",
                       lambda: frozenset({"avx2", "fma", "avx512f", "avx512vl"}))
   assert cpu_matmul.compile_flags()[-2:] == ["-mavx512f", "-mavx512vl"]
@@ -141,7 +176,11 @@ def test_avx512_cpus_get_the_larger_tile_and_both_variants_build(monkeypatch, tm
   wide = cpu_matmul.build(compiler)
   monkeypatch.setattr(cpu_matmul, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
   narrow = cpu_matmul.build(compiler)
-  assert wide != narrow and wide.stat().st_size > 0 and narrow.stat().st_size > 0
+  monkeypatch.setattr(cpu_matmul, "cpu_flags", lambda: frozenset(
+      {"avx2", "fma", "avx512f", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"}))
+  tiles = cpu_matmul.build(compiler)  # the AMX path, built on any CPU
+  assert len({wide, narrow, tiles}) == 3
+  assert all(p.stat().st_size > 0 for p in (wide, narrow, tiles))
 
 
 @needs_kernel
