@@ -25,13 +25,15 @@ plain bf16 x bf16 -> bf16 dots are several times slower than float32, and a
 one-row bf16 dot takes a slow path, so one-row ``fast-rows`` dots are padded to
 two rows (``fast`` has three rows per input row already).
 
-On x86-64 CPUs without a bf16 matrix unit (no AMX-BF16; AVX512-BF16 alone, as
-on AMD Zen 4, measured slower than the kernel), XLA:CPU has no fast bf16 path,
-and its float32 dot grows steeply from one row to two; there
-the float32-activation modes run their dots through ``kernels.cpu_matmul`` (an
-AVX2 + FMA FFI kernel, float32 math on the stored weights, the same numbers for
-a token whatever the call's size) for calls of at most ``CPU_KERNEL_MAX_TOKENS``
-tokens per sequence: decode steps and tree verification. Longer calls (prefill
+On x86-64 CPUs the float32-activation modes run their dots through
+``kernels.cpu_matmul`` (an FFI kernel, the same numbers for a token whatever the
+call's size) for calls of at most ``CPU_KERNEL_MAX_TOKENS`` tokens per sequence:
+decode steps and tree verification. Without a bf16 matrix unit (no AMX-BF16;
+AVX512-BF16 alone, as on AMD Zen 4) XLA:CPU has no fast bf16 path and its
+float32 dot grows steeply from one row to two; the kernel's AVX2 + FMA loop does
+float32 math on the stored weights. With AMX-BF16 the kernel runs bf16 weights
+on the tile unit (the split3 parts as tile columns), faster at those sizes than
+XLA's own AMX dot. Longer calls (prefill
 of long prompts, training features) widen bf16 weights to float32 and run XLA's
 float32 dot, which is as fast there (``_widens_weights``); the ``rows`` form
 keeps XLA's bf16 dot on a CPU with AVX512-BF16, where it is faster.
