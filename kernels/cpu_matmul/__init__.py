@@ -81,6 +81,12 @@ def cpu_has_bf16_matrix_unit() -> bool:
   return "amx_bf16" in cpu_flags()
 
 
+def cpu_supports_amx_path() -> bool:
+  """AMX-TILE/BF16 plus the AVX-512 (F, VL, BF16) instructions the tile path
+  packs its rows with: the kernel is then built with its AMX path."""
+  return {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx512vl"} <= cpu_flags()
+
+
 def _compiler() -> str | None:
   for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
     if name and shutil.which(name):
@@ -102,7 +108,7 @@ def compile_flags() -> list[str]:
   flags = ["-mavx2", "-mfma"]
   if {"avx512f", "avx512vl"} <= cpu_flags():
     flags += ["-mavx512f", "-mavx512vl"]
-  if {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx512vl"} <= cpu_flags():
+  if cpu_supports_amx_path():
     flags += ["-mamx-tile", "-mamx-bf16", "-mavx512bf16"]
   return flags
 
@@ -163,12 +169,12 @@ _amx_state: list[bool] = []  # [True] once the AMX path is on in this process
 def _enable_amx(library) -> None:
   """Turns on the kernel's AMX path for bf16 weights where the CPU has AMX-BF16
   and Linux grants the tile state (``DART_JAX_CPU_AMX=0`` keeps the AVX2 path)."""
-  if not {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f", "avx512vl"} <= cpu_flags():
+  if not cpu_supports_amx_path():
     return
   if os.environ.get(AMX_ENV_SWITCH, "1") in ("0", "false", "off"):
     log.info("cpu_matmul: AMX path off (%s=%s)", AMX_ENV_SWITCH, os.environ[AMX_ENV_SWITCH])
     return
-  if library.DartRowsMatmulEnableAmx(1) == 1:
+  if library.DartRowsMatmulEnableAmx() == 1:
     _amx_state.append(True)
   else:
     log.warning("cpu_matmul: Linux refused the AMX tile state; bf16 weights take the AVX2 path")
@@ -218,6 +224,6 @@ def _rows_matmul_jvp(primals, tangents):
   return rows_matmul(x, w), d_out
 
 
-__all__ = ["rows_matmul", "rows_matmul_reference", "available", "cpu_flags",
-           "cpu_supports_kernel", "cpu_has_bf16_matrix_unit", "amx_active", "cpu_has_bf16_dot_instruction",
-           "build"]
+__all__ = ["rows_matmul", "rows_matmul_reference", "available", "amx_active", "cpu_flags",
+           "cpu_supports_kernel", "cpu_supports_amx_path", "cpu_has_bf16_matrix_unit",
+           "cpu_has_bf16_dot_instruction", "build"]

@@ -485,16 +485,14 @@ DART_ROWS_MATMUL(DartRowsMatmulBF16, ffi::BF16)
 // Asks Linux for the AMX tile state (once per process) and, if granted, sends
 // bf16 weights through the AMX path. Returns 1 if that path is on, else 0 (built
 // without AMX, or the kernel refused).
-extern "C" int DartRowsMatmulEnableAmx(int enable) {
+extern "C" int DartRowsMatmulEnableAmx() {
 #ifdef DART_HAVE_AMX
   constexpr long kArchReqXcompPerm = 0x1023;
   constexpr long kXfeatureXtiledata = 18;
-  if (enable && !g_amx_enabled)
+  if (!g_amx_enabled)
     g_amx_enabled = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  if (!enable) g_amx_enabled = false;
   return g_amx_enabled ? 1 : 0;
 #else
-  (void)enable;
   return 0;
 #endif
 }

@@ -74,15 +74,45 @@ def test_amx_path_is_float32_accurate_and_m_invariant(m, k, n):
     np.testing.assert_array_equal(np.asarray(dot(x[1:7], w)), got[1:7])
 
 
-@needs_amx
-def test_amx_path_switched_off_by_the_environment_keeps_the_avx2_path(monkeypatch, caplog):
-  monkeypatch.setenv(cpu_matmul.AMX_ENV_SWITCH, "0")
-  library = type("Library", (), {"DartRowsMatmulEnableAmx": lambda self, on: 1 / 0})()
-  state = list(cpu_matmul._amx_state)  # pylint: disable=protected-access
+AMX_FLAGS = frozenset({"avx2", "fma", "avx512f", "avx512vl", "avx512_bf16", "amx_tile",
+                       "amx_bf16"})
+
+
+class _Library:
+  """Stands in for the built kernel: ``DartRowsMatmulEnableAmx`` answers
+  ``granted`` (1 or 0), or fails the test if ``granted`` is None."""
+
+  def __init__(self, granted):
+    self.granted = granted
+
+  def DartRowsMatmulEnableAmx(self):  # pylint: disable=invalid-name
+    assert self.granted is not None, "the AMX path was asked for while switched off"
+    return self.granted
+
+
+@pytest.mark.parametrize("switch,granted,want_on,logged", [
+    ("0", None, False, cpu_matmul.AMX_ENV_SWITCH), ("1", 0, False, "refused"),
+    ("1", 1, True, None)])
+def test_amx_path_needs_the_switch_and_the_tile_state(monkeypatch, caplog, switch, granted,
+                                                      want_on, logged):
+  monkeypatch.setattr(cpu_matmul, "cpu_flags", lambda: AMX_FLAGS)
+  monkeypatch.setenv(cpu_matmul.AMX_ENV_SWITCH, switch)
+  monkeypatch.setattr(cpu_matmul, "_amx_state", [])
   with caplog.at_level(logging.INFO, logger=cpu_matmul.__name__):
-    cpu_matmul._enable_amx(library)  # pylint: disable=protected-access
-  assert cpu_matmul._amx_state == state  # pylint: disable=protected-access
-  assert cpu_matmul.AMX_ENV_SWITCH in caplog.text
+    cpu_matmul._enable_amx(_Library(granted))  # pylint: disable=protected-access
+  assert cpu_matmul._amx_state == ([True] if want_on else [])  # pylint: disable=protected-access
+  if logged is None:
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+  else:
+    assert logged in caplog.text
+
+
+def test_no_amx_path_without_the_cpu_flags(monkeypatch):
+  monkeypatch.setattr(cpu_matmul, "cpu_flags", lambda: AMX_FLAGS - {"avx512_bf16"})
+  monkeypatch.setattr(cpu_matmul, "_amx_state", [])
+  cpu_matmul._enable_amx(_Library(None))  # pylint: disable=protected-access
+  assert not cpu_matmul._amx_state  # pylint: disable=protected-access
+  assert not cpu_matmul.cpu_supports_amx_path()
 
 
 @needs_kernel
@@ -158,8 +188,7 @@ def test_cpu_flags_decide_support(monkeypatch):
   assert not cpu_matmul.cpu_supports_kernel() and cpu_matmul.cpu_has_bf16_matrix_unit()
 
   assert cpu_matmul.compile_flags() == ["-mavx2", "-mfma"]
-  monkeypatch.setattr(cpu_matmul, "cpu_flags", lambda: frozenset(
-      {"avx2", "fma", "avx512f", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"}))
+  monkeypatch.setattr(cpu_matmul, "cpu_flags", lambda: AMX_FLAGS)
   assert cpu_matmul.compile_flags()[-3:] == ["-mamx-tile", "-mamx-bf16", "-mavx512bf16"]
 
 
@@ -176,8 +205,7 @@ def test_avx512_cpus_get_the_larger_tile_and_both_variants_build(monkeypatch, tm
   wide = cpu_matmul.build(compiler)
   monkeypatch.setattr(cpu_matmul, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
   narrow = cpu_matmul.build(compiler)
-  monkeypatch.setattr(cpu_matmul, "cpu_flags", lambda: frozenset(
-      {"avx2", "fma", "avx512f", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"}))
+  monkeypatch.setattr(cpu_matmul, "cpu_flags", lambda: AMX_FLAGS)
   tiles = cpu_matmul.build(compiler)  # the AMX path, built on any CPU
   assert len({wide, narrow, tiles}) == 3
   assert all(p.stat().st_size > 0 for p in (wide, narrow, tiles))

@@ -160,7 +160,7 @@ def test_cpu_default_is_fast_only_where_bf16_weights_pay(monkeypatch, bf16_unit,
   assert precision.cpu_kernel_active() == kernel  # with AMX too: its tile path
 
 
-@pytest.mark.skipif(not precision.cpu_kernel_active(), reason="needs the AVX2 CPU kernel")
+@pytest.mark.skipif(not precision.cpu_kernel_active(), reason="needs the CPU kernel")
 @pytest.mark.parametrize("mode", [FAST, FLOAT32])
 def test_kernel_dots_are_bitwise_the_same_for_one_token_and_a_tree(mode):
   """Where the CPU kernel runs, a token's output of every dense layer is bitwise

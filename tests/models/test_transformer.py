@@ -203,7 +203,8 @@ def test_tree_verify_through_kernels_matches_reference(impl):
 def test_a_decode_step_does_not_copy_the_cache(batch):
   """A one-token step over a prefix of a donated cache updates it in place: no
   whole K/V buffer is copied (XLA:CPU copied every layer's buffers twice when
-  a one-row write was fused into the attention's prefix slice)."""
+  a one-row write was fused into the attention's prefix slice; that happened
+  with one sequence, the batch of 2 guards the batched path regeneration runs)."""
   t = Target.init(CONFIGS["llama_gqa"], seed=1)
   cache = t.new_cache(batch, 64).replace(lengths=jnp.full((batch,), 20, jnp.int32))
   compiled = target_lib._forward.lower(  # pylint: disable=protected-access
