@@ -78,7 +78,7 @@ from dart_jax.decode.methods import method_for
 from dart_jax.errors import InputError
 from dart_jax.generate import attend_bucket, generate
 from dart_jax.tree import TreeConfig
-from dart_jax.tree.dartree import DARTreeConfig, num_tree_nodes
+from dart_jax.tree.dartree import num_tree_nodes
 
 VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_TOPK = 25
@@ -469,19 +469,20 @@ def auto_tree_budget(target, head, ngram=None, *, topk: int | None = None,
 def dartree_family(drafter, method: str = "dartree", base_config=None, *,
                    label: str | None = None) -> TreeFamily:
   """A DARTree method on a DFlash/Domino or DART-GRU drafter: budget =
-  ``DARTreeConfig.budget``, the other fields ``base_config``'s (default
-  ``DARTreeConfig()``); nodes = ``num_tree_nodes`` (see the module docstring).
+  ``DARTreeConfig.budget``, the other fields ``base_config``'s (default: the
+  drafter's measured settings where it has them, else ``DARTreeConfig()``);
+  nodes = ``num_tree_nodes`` (see the module docstring).
 
   method: "dartree", "dartree-fixed" or "ddtree" (chains take no budget);
   label: the method's name in the log (default ``method``).
   Raises InputError for a chain or a drafter that builds no DARTree trees,
   ConfigError for a method the drafter cannot run.
   """
-  base_config = base_config or DARTreeConfig()
   typed = method_for(drafter, tree=method, tree_config=base_config)
   if not hasattr(typed, "tree_facts"):
     raise InputError(f"the DARTree budget needs a DFlashDrafter or DartGruDrafter, got "
                      f"{type(drafter).__name__}")
+  base_config = typed.config  # base_config, else the drafter's measured settings
   resolved, depths, vocab, taps = typed.tree_facts()
   if resolved in ("dflash-chain", "domino-chain"):
     raise InputError(f"method {method!r} is a chain of {depths} nodes: it takes no "
@@ -515,7 +516,7 @@ def auto_dartree_budget(target, drafter, method: str = "dartree", base_config=No
                         verify_costs: dict[int, float] | None = None,
                         label: str | None = None, log=print) -> BudgetChoice:
   """A DARTree method's measured budget (``--dartree-budget auto``): a
-  ``BudgetChoice`` whose tree is ``base_config`` (default ``DARTreeConfig()``)
+  ``BudgetChoice`` whose tree is ``base_config`` (default as ``dartree_family``)
   with ``budget`` = the chosen one. ``verify_costs``: see ``choose_budget``."""
   family = dartree_family(drafter, method, base_config, label=label)
   return choose_budget(target, family, sizes=sizes, context_len=context_len, reps=reps,

@@ -22,7 +22,10 @@ Methods:
   domino-chain, dartree-fixed, dartree
         The Domino correction head on the same backbone: Domino's sequential
         chain, and DARTree's batched trees (fixed quota per depth / pruned
-        supertree, ``--dartree-*`` options). Drafter: ``--domino``.
+        supertree, ``--dartree-*`` options). Drafter: ``--domino``. On the
+        embedded target (no ``--model``) the Domino drafter shipped for it
+        serves all five methods when no drafter flag is given, with its
+        measured tree settings (the ``--dartree-*`` flags change them).
         ``--drafter random`` instead makes one randomly initialised Domino
         drafter (``--drafter-*`` size options) that serves all five methods
         (timing and smoke runs only: random drafts are almost never accepted).
@@ -479,8 +482,8 @@ def run_benchmark(args, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
     raise InputError(f"--method {','.join(m for m in methods if m in DART_GRU_METHODS)} "
                      "needs --dart-gru DIR (or --dart-gru random, timing only)")
   dartree_budget = dartree_budget_arg(args)
-  tree_config = (dartree_config(args, allow_auto=True)
-                 if any(m in DARTREE_METHODS + DART_GRU_METHODS for m in methods) else None)
+  if any(m in DARTREE_METHODS + DART_GRU_METHODS for m in methods):
+    dartree_config(args, allow_auto=True)  # Bad --dartree-* values fail before loading.
 
   mesh = sharding.mesh_from_flag(args.mesh)
   target = dj.load_target(args.model, dtype=precision.resolve_flag(args.precision), mesh=mesh)
@@ -493,38 +496,44 @@ def run_benchmark(args, log=lambda msg: print(msg, file=sys.stderr)) -> dict:
   tree_methods = {m: (drafter, m) for m, (drafter, _) in drafters.items()}
   tree_methods.update({m: (dart_gru, DART_GRU_TREES[m]) for m in methods
                        if m in DART_GRU_METHODS})
-  choices = (auto_dartree_budgets(target, tree_methods, tree_config, log)
+  # The --dartree-* flags change each drafter's measured settings (the shipped
+  # drafter's), else the defaults.
+  bases = {m: dartree_config(args, allow_auto=True, base=drafter.tree_config)
+           for m, (drafter, _) in tree_methods.items()}
+  choices = (auto_dartree_budgets(target, tree_methods, bases, log)
              if dartree_budget == "auto" else {})
-  configs = {m: choices[m].tree if m in choices else tree_config for m in tree_methods}
-  config_json = None if tree_config is None else dict(
-      dataclasses.asdict(tree_config), **({"budget": "auto"} if dartree_budget == "auto"
-                                          else {}))
+  configs = {m: choices[m].tree if m in choices else bases[m] for m in tree_methods}
+
+  def config_json(m: str) -> dict:
+    return dict(dataclasses.asdict(bases[m]),
+                **({"budget": "auto"} if dartree_budget == "auto" else {}))
   # Speculative method -> its ``generate`` options (a runner each, and with
   # --profile a phased twin).
   speculative: dict[str, dict[str, Any]] = {}
   skipped, tree_info = [], None
   dartree_info = None
   if drafters:
-    dartree_info = {"config": dict(config_json), "methods": {}}
+    dartree_info = {"methods": {}}
     for m, (drafter, source) in drafters.items():
       speculative[m] = dict(draft=drafter, tree=m, tree_config=configs[m])
       c = drafter.config
       dartree_info["methods"][m] = {
           "drafter": source, "domino": drafter.domino, "block_size": c.block_size,
+          "config": config_json(m),
           "nodes": num_tree_nodes(m, configs[m], c.num_depths, c.vocab_size)}
   dart_gru_info = None
   if dart_gru is not None:
     c, head_c = dart_gru.config, dart_gru.config.dart
-    dart_gru_info = {"drafter": str(args.dart_gru), "config": dict(config_json),
+    dart_gru_info = {"drafter": str(args.dart_gru),
                      "draft_length": head_c.draft_length,
                      "draft_vocab_size": head_c.draft_vocab_size,
                      "emb_dim": c.emb_dim, "gru_hidden_dim": c.gru_hidden_dim, "methods": {}}
     for m in (m for m in methods if m in DART_GRU_METHODS):
       tree = DART_GRU_TREES[m]
       speculative[m] = dict(draft=dart_gru, tree=tree, tree_config=configs[m])
-      dart_gru_info["methods"][m] = {"tree": tree, "nodes": num_tree_nodes(
-          resolve_method(tree, True), configs[m], head_c.num_levels,
-          head_c.draft_vocab_size)}
+      nodes = num_tree_nodes(resolve_method(tree, True), configs[m], head_c.num_levels,
+                             head_c.draft_vocab_size)
+      dart_gru_info["methods"][m] = {"tree": tree, "config": config_json(m), "nodes": nodes}
   for m, choice in choices.items():
     info = dart_gru_info if m in DART_GRU_METHODS else dartree_info
     info["methods"][m]["budget_choice"] = {"source": "auto", **choice.to_json()}

@@ -145,6 +145,16 @@ def add_dartree_args(p: argparse.ArgumentParser) -> None:
                  help="correction head width E of a random drafter (default 32)")
   g.add_argument("--drafter-gru-dim", type=int, default=32,
                  help="GRU state size G of a random drafter (default 32)")
+  add_dartree_tree_args(g)
+  g.add_argument("--dart-gru", default=None, metavar="DIR",
+                 help=f"DART-GRU drafter directory (load_dart_gru) for "
+                      f"{', '.join(DART_GRU_METHODS)}, or 'random' (a random DART head of "
+                      "--draft-length with a random correction; timing only); trees "
+                      "take the --dartree-* options")
+
+
+def add_dartree_tree_args(g) -> None:
+  """The ``--dartree-*`` tree-shape flags (read by ``dartree_config``)."""
   defaults = DARTreeConfig()
   g.add_argument("--dartree-budget", default=None, metavar="N|auto",
                  help=f"draft nodes per round: DARTree's B_tree (the fixed variant's "
@@ -163,17 +173,15 @@ def add_dartree_args(p: argparse.ArgumentParser) -> None:
   g.add_argument("--dartree-depth-bonus", type=float, default=None,
                  help=f"dartree (pruned): per-depth bonus of the final ranking, <= 0 "
                       f"(default {defaults.depth_bonus})")
-  g.add_argument("--dart-gru", default=None, metavar="DIR",
-                 help=f"DART-GRU drafter directory (load_dart_gru) for "
-                      f"{', '.join(DART_GRU_METHODS)}, or 'random' (a random DART head of "
-                      "--draft-length with a random correction; timing only); trees "
-                      "take the --dartree-* options")
 
 
 # ----------------------------------------------------------------------------
 # Drafter and tree options: checks and loading.
 # ----------------------------------------------------------------------------
 
+
+# What bench results name as the drafter when it is the one shipped in the package.
+SHIPPED_DRAFTER = "shipped"
 
 _DARTREE_OPTIONS = (("topk", "dartree_topk"), ("supertree_width", "dartree_width"),
                     ("budget", "dartree_budget"), ("depth_bonus", "dartree_depth_bonus"))
@@ -203,11 +211,14 @@ def dartree_budget_arg(args) -> int | str | None:
   return budget
 
 
-def dartree_config(args, allow_auto: bool = False) -> DARTreeConfig:
+def dartree_config(args, allow_auto: bool = False, base: DARTreeConfig | None = None
+                   ) -> DARTreeConfig:
   """``DARTreeConfig`` from the ``--dartree-*`` flags (ConfigError if invalid).
 
-  With ``--dartree-budget auto`` (only if ``allow_auto``: infer.bench measures
-  it per method) the budget is left at its default, to be replaced.
+  base: the settings the flags change (a drafter's measured ``tree_config``;
+  None = ``DARTreeConfig()``). With ``--dartree-budget auto`` (only if
+  ``allow_auto``: infer.bench measures it per method) the budget is left at the
+  base's, to be replaced.
   """
   budget = dartree_budget_arg(args)
   if budget == "auto" and not allow_auto:
@@ -217,20 +228,21 @@ def dartree_config(args, allow_auto: bool = False) -> DARTreeConfig:
            if getattr(args, dest) is not None and field != "budget"}
   if budget is not None and budget != "auto":
     given["budget"] = budget
-  return DARTreeConfig(**given)
+  return dataclasses.replace(base or DARTreeConfig(), **given)
 
 
 def auto_dartree_budgets(target, tree_methods: dict[str, tuple[Any, str]],
-                         base: DARTreeConfig, log) -> dict[str, tb.BudgetChoice]:
+                         bases: dict[str, DARTreeConfig], log
+                         ) -> dict[str, tb.BudgetChoice]:
   """``--dartree-budget auto``: a measured budget per bench method whose tree takes one.
 
   tree_methods: bench method -> (its drafter, ``generate``'s tree name); chains
-  are skipped. One verify-cost curve of the target, over the sizes every method
+  are skipped. bases: bench method -> the tree whose budget is replaced. One verify-cost curve of the target, over the sizes every method
   needs, is timed in one pass (with the first method's taps: taps only choose
   which layer outputs a pass returns) and shared; each method then gets its own
   calibration run (``tb.choose_budget``).
   """
-  families = {m: tb.dartree_family(drafter, tree, base, label=m)
+  families = {m: tb.dartree_family(drafter, tree, bases[m], label=m)
               for m, (drafter, tree) in tree_methods.items() if tree in BUDGET_TREES}
   if not families:
     log("[dartree-budget] auto: none of the benched methods uses a budget (chains "
@@ -265,17 +277,21 @@ def check_drafter_args(args, methods: Sequence[str]) -> None:
         raise InputError(f"--{flag.replace('_', '-')} must be >= 1, got "
                          f"{getattr(args, flag)}")
     return
+  if args.model is None:
+    return  # The embedded target: the drafter shipped for it serves what is not given.
   need_domino = [m for m in wanted if m in DOMINO_METHODS]
   if need_domino and not args.domino:
     plain = (f"; --dflash {args.dflash} gives only the DFlash backbone" if args.dflash
              else "")
     raise InputError(f"--method {','.join(need_domino)} needs a Domino drafter (DFlash "
-                     f"backbone + correction head): pass --domino DIR, or --drafter "
-                     f"random for a random one (timing only){plain}")
+                     f"backbone + correction head) for --model {args.model}: pass "
+                     f"--domino DIR, or --drafter random for a random one (timing "
+                     f"only){plain}; the shipped drafter is for the embedded target")
   if not (args.dflash or args.domino):
-    raise InputError(f"--method {','.join(wanted)} needs a drafter: --dflash DIR (a "
-                     "DFlash drafter), --domino DIR (its DFlash backbone serves), or "
-                     "--drafter random (timing only)")
+    raise InputError(f"--method {','.join(wanted)} needs a drafter for --model "
+                     f"{args.model}: --dflash DIR (a DFlash drafter), --domino DIR (its "
+                     "DFlash backbone serves), or --drafter random (timing only); the "
+                     "shipped drafter is for the embedded target")
 
 
 def load_drafters(args, target, methods: Sequence[str]) -> dict[str, tuple[Any, str]]:
@@ -283,7 +299,9 @@ def load_drafters(args, target, methods: Sequence[str]) -> dict[str, tuple[Any, 
 
   dflash-chain and ddtree use ``--dflash``, else the ``--domino`` drafter (they read
   only its backbone's uncorrected marginals); the other three need ``--domino``.
-  ``--drafter random`` makes one random Domino drafter for all of them. Raises
+  On the embedded target (no ``--model``) the Domino drafter shipped for it
+  stands in for ``--domino``. ``--drafter random`` makes one random Domino
+  drafter for all of them. Raises
   InputError for missing / conflicting drafter flags (``check_drafter_args``),
   CheckpointError / ConfigError for bad directories and drafters made for another
   target (hidden size, vocabulary or layer count).
@@ -298,16 +316,13 @@ def load_drafters(args, target, methods: Sequence[str]) -> dict[str, tuple[Any, 
         domino=True, emb_dim=args.drafter_emb_dim, gru_hidden_dim=args.drafter_gru_dim,
         seed=args.seed)
     return {m: (drafter, "random") for m in wanted}
-  domino = dj.load_domino(args.domino, target) if args.domino else None
   use_dflash = args.dflash and any(m in DFLASH_METHODS for m in wanted)
   dflash = dj.load_dflash(args.dflash, target) if use_dflash else None
-  out = {}
-  for m in wanted:
-    if m in DFLASH_METHODS and dflash is not None:
-      out[m] = (dflash, str(args.dflash))
-    else:
-      out[m] = (domino, str(args.domino))
-  return out
+  on_domino = [m for m in wanted if not (m in DFLASH_METHODS and dflash is not None)]
+  domino = dj.load_domino(args.domino, target) if on_domino else None  # None: shipped
+  out = {m: (domino, str(args.domino or SHIPPED_DRAFTER)) for m in on_domino}
+  out.update({m: (dflash, str(args.dflash)) for m in wanted if m not in out})
+  return {m: out[m] for m in wanted}
 
 
 def load_dart_gru_args(args, target, methods: Sequence[str]):

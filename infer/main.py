@@ -3,8 +3,8 @@
 Streams the answer of the target model (the embedded SmolLM2-135M-Instruct by
 default), plainly or with speculative decoding: DART (``--draft``) or a DARTree
 method (``--method dartree|dartree-fixed|ddtree|dflash-chain|domino-chain`` with
-``--domino`` / ``--dflash`` drafters; see ``infer.bench`` for which drafter
-serves which method) or DART-GRU (``--method dart-gru|dart-gru-fixed|dart-gru-chain``
+``--domino`` / ``--dflash`` drafters, on the embedded target the shipped Domino
+drafter; see ``infer.bench`` for which drafter serves which method) or DART-GRU (``--method dart-gru|dart-gru-fixed|dart-gru-chain``
 with ``--dart-gru DIR``). Speculative decoding gives the same output, faster.
 """
 
@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "default: dart with --draft/--ngram/--tree-budget, dartree with "
                       "--domino or --drafter random, ddtree with only --dflash, dart-gru "
                       "with --dart-gru, else ar. "
-                      "--method dart on the embedded target uses the shipped head")
+                      "--method dart on the embedded target uses the shipped head, "
+                      "the DARTree methods the shipped Domino drafter")
   p.add_argument("--draft", default=None,
                  help="DART head directory (reference format); enables DART (default "
                       "for the embedded target: the head shipped with dart-jax)")
@@ -159,7 +160,8 @@ def main(argv=None) -> int:
   try:
     method = choose_method(args)
     tree_methods = bench_options.DARTREE_METHODS + bench_options.DART_GRU_METHODS
-    tree_config = bench_options.dartree_config(args) if method in tree_methods else None
+    if method in tree_methods:
+      bench_options.dartree_config(args)  # Bad --dartree-* values fail before loading.
     mesh = sharding.mesh_from_flag(args.mesh)  # before anything else starts JAX
     target = dj.load_target(args.model, dtype=precision.resolve_flag(args.precision),
                             mesh=mesh)
@@ -169,12 +171,16 @@ def main(argv=None) -> int:
       if args.tree_budget:
         kwargs["tree"] = dj.tree.TreeConfig(remain_total=args.tree_budget)
       kwargs["context_ngram"] = args.context_ngram != "off"
-    elif method in bench_options.DART_GRU_METHODS:
-      kwargs.update(draft=bench_options.load_dart_gru_args(args, target, [method]),
-                    tree=bench_options.DART_GRU_TREES[method], tree_config=tree_config)
-    elif tree_config is not None:
-      drafter, _ = bench_options.load_drafters(args, target, [method])[method]
-      kwargs.update(draft=drafter, tree=method, tree_config=tree_config)
+    elif method in tree_methods:
+      if method in bench_options.DART_GRU_METHODS:
+        drafter = bench_options.load_dart_gru_args(args, target, [method])
+        tree = bench_options.DART_GRU_TREES[method]
+      else:
+        drafter, _ = bench_options.load_drafters(args, target, [method])[method]
+        tree = method
+      # The flags change the drafter's measured settings (the shipped drafter's).
+      kwargs.update(draft=drafter, tree=tree, tree_config=bench_options.dartree_config(
+          args, base=drafter.tree_config))
     stream = dj.generate_stream(
         target, args.prompt, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

@@ -16,9 +16,20 @@
   default tree. An integer fixes the budget instead.
 - ``manifest.json`` records sizes, the tree and the inputs' SHA-256, so a rebuilt
   asset can be checked against the shipped one.
+
+  python -m train.embedded_assets --domino WORKDIR/best --out dart_jax/assets/smollm2_135m \
+      --dartree-budget 12 --dartree-width 4 --dartree-topk 8
+
+- Drafter: a trained Domino drafter (DFlash backbone + correction head) is
+  re-saved with float16 weights as ``domino/``, and its DARTree settings (the
+  ``--dartree-*`` flags over ``DARTreeConfig``'s defaults) go into the
+  manifest's ``dartree``; ``dj.load_domino()`` attaches them to the shipped
+  drafter. The head, N-gram and drafter are packed by separate calls; each keeps
+  the other's manifest entries.
 """
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -58,6 +69,38 @@ def choose_tree(target, head, ngram, tree_budget: str) -> tuple[dict, dict]:
   return fields, how
 
 
+def _update_manifest(out_dir: str, entries: dict, files: list[str]) -> dict:
+  """Merges ``entries`` and the sizes of ``files`` into ``out_dir/manifest.json``
+  (entries of the other packing call are kept); returns the manifest."""
+  path = os.path.join(out_dir, "manifest.json")
+  manifest = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      manifest = json.load(f)
+  sizes = dict(manifest.get("files", {}))
+  sizes.update({os.path.relpath(f, out_dir): os.path.getsize(f) for f in files})
+  manifest.update(entries, files=dict(sorted(sizes.items())))
+  with open(path, "w") as f:
+    json.dump(manifest, f, indent=2)
+  return manifest
+
+
+def pack_drafter(target, drafter_dir: str, out_dir: str,
+                 tree: dj.tree.DARTreeConfig) -> dict:
+  """Writes ``out_dir/domino/`` (float16) and the manifest's ``domino`` and
+  ``dartree`` (``tree``'s fields) entries; returns the manifest."""
+  drafter = dj.load_domino(drafter_dir, target)
+  drafter_out = os.path.join(out_dir, "domino")
+  dj.save_dflash(drafter, drafter_out, dtype=np.float16)
+  c = drafter.config
+  entries = {"domino": {"block_size": c.block_size, "num_layers": c.num_layers,
+                        "target_layer_ids": list(c.target_layer_ids),
+                        "emb_dim": c.emb_dim, "gru_hidden_dim": c.gru_hidden_dim},
+             "dartree": dataclasses.asdict(tree)}
+  return _update_manifest(out_dir, entries, [os.path.join(drafter_out, "config.json"),
+                                             os.path.join(drafter_out, "model.safetensors")])
+
+
 def pack(target, data_paths, head_dir: str, out_dir: str, *, order: int = 3,
          min_count: int = 2, tree_budget: str = "8") -> dict:
   """Writes ``out_dir/{dart_head/, ngram.trie, manifest.json}``; returns the manifest."""
@@ -71,36 +114,48 @@ def pack(target, data_paths, head_dir: str, out_dir: str, *, order: int = 3,
   tree, tree_choice = choose_tree(target, head, ngram, tree_budget)
   files = [os.path.join(head_out, "config.json"), os.path.join(head_out, "model.safetensors"),
            trie_path]
-  manifest = {
+  entries = {
       "target": os.path.basename(target.source) or "embedded",
       "draft_length": head.config.draft_length,
       "draft_vocab_size": head.config.draft_vocab_size,
       "ngram_order": order, "ngram_min_count": min_count,
       "tree": tree, "tree_choice": tree_choice,
       "data": {os.path.basename(p): _sha256(p) for p in data_paths},
-      "files": {os.path.relpath(f, out_dir): os.path.getsize(f) for f in files},
   }
-  with open(os.path.join(out_dir, "manifest.json"), "w") as f:
-    json.dump(manifest, f, indent=2)
-  return manifest
+  return _update_manifest(out_dir, entries, files)
 
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m train.embedded_assets",
                               description=__doc__.split("\n")[0])
   p.add_argument("--model", default=None, help="target (default: embedded SmolLM2)")
-  p.add_argument("--data", nargs="+", required=True, help="chat JSONL the head was trained on")
-  p.add_argument("--head", required=True, help="exported head directory")
+  p.add_argument("--data", nargs="+", default=None,
+                 help="chat JSONL the head was trained on (with --head)")
+  p.add_argument("--head", default=None, help="exported DART head directory")
+  p.add_argument("--domino", default=None,
+                 help="exported Domino drafter directory (packed as domino/)")
   p.add_argument("--out", required=True, help="output directory")
   p.add_argument("--order", type=int, default=3)
   p.add_argument("--min-count", type=int, default=2)
   p.add_argument("--tree-budget", default="8",
                  help="'auto' (measure, see dart_jax/tree_budget.py) or draft nodes per round")
+  bench_options.add_dartree_tree_args(p)
   args = p.parse_args(argv)
   try:
+    if not (args.head or args.domino):
+      raise dj.InputError("nothing to pack: pass --head DIR (with --data) and/or "
+                          "--domino DIR")
+    if args.head and not args.data:
+      raise dj.InputError("--head needs --data: the chat JSONL the head was trained on "
+                          "(the N-gram is counted from it)")
+    tree = bench_options.dartree_config(args) if args.domino else None
     target = dj.load_target(args.model)
-    manifest = pack(target, args.data, args.head, args.out, order=args.order,
-                    min_count=args.min_count, tree_budget=args.tree_budget)
+    manifest = None
+    if args.head:
+      manifest = pack(target, args.data, args.head, args.out, order=args.order,
+                      min_count=args.min_count, tree_budget=args.tree_budget)
+    if args.domino:
+      manifest = pack_drafter(target, args.domino, args.out, tree)
   except dj.DartJaxError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -88,7 +88,9 @@ class DARTree:
 
   tree: "dartree" (pruned), "dartree-fixed", "ddtree", "dflash-chain",
   "domino-chain" or "chain" (Domino's with a correction head, else DFlash's);
-  config: the tree shape (``DARTreeConfig``; None: the defaults).
+  config: the tree shape (``DARTreeConfig``; None: the drafter's measured
+  settings where it carries them, as the shipped drafter does, else the
+  defaults).
   """
 
   drafter: DFlashDrafter
@@ -108,7 +110,8 @@ class DARTree:
               profile: bool = False) -> Decoder:
     return dartree_decoder(target, self.drafter, resolve_method(self.tree,
                                                                 self.drafter.domino),
-                           self.config or DARTreeConfig(), sampling=sampling, seed=seed,
+                           self.config or self.drafter.tree_config or DARTreeConfig(),
+                           sampling=sampling, seed=seed,
                            profile=profile)
 
 
@@ -135,7 +138,8 @@ class DartGru:
   def decoder(self, target: Target, sampling: SamplingConfig, seed: int = 0,
               profile: bool = False) -> Decoder:
     return dart_gru_decoder(target, self.drafter, resolve_method(self.tree, True),
-                            self.config or DARTreeConfig(), sampling=sampling, seed=seed,
+                            self.config or self.drafter.tree_config or DARTreeConfig(),
+                            sampling=sampling, seed=seed,
                             profile=profile)
 
 
@@ -153,7 +157,9 @@ def _tree_method_from_call(cls, name: str, has_correction):
   def make(drafter, ngram, tree="dartree", tree_config=None, **overrides):
     if ngram is not None:
       raise InputError(f"{name} methods use no N-gram model; drop ngram=...")
-    tree, config = tree_options(tree, tree_config, overrides, has_correction(drafter))
+    # Keyword overrides apply to the drafter's measured settings where it has them.
+    tree, config = tree_options(tree, tree_config or drafter.tree_config, overrides,
+                                has_correction(drafter))
     return cls(drafter, tree, config)
 
   return make

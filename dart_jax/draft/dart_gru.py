@@ -54,6 +54,7 @@ from dart_jax.io.safetensors_io import read_json, read_safetensors_file
 from dart_jax.models import checkpoint
 from dart_jax.models import precision as precision_lib
 from dart_jax.models.precision import Precision
+from dart_jax.tree.dartree import DARTreeConfig
 
 CORRECTION_CONFIG = "correction.json"
 CORRECTION_WEIGHTS = "correction.safetensors"
@@ -155,12 +156,14 @@ class DartGruDrafter:
   ``generate(target, prompt, draft=drafter, tree=...)`` decodes with it; tree:
   "dartree" (pruned, default), "dartree-fixed", "chain" (the corrected greedy
   chain), or the uncorrected "ddtree" / "dflash-chain"; ``tree_config`` (a
-  ``DARTreeConfig``) or its fields as keyword arguments set the tree shape.
+  ``DARTreeConfig``) or its fields as keyword arguments set the tree shape,
+  starting from ``tree_config`` (None = ``DARTreeConfig()``).
   """
 
   config: DartGruConfig
   graphdef: Any
   params: Any
+  tree_config: DARTreeConfig | None = None
 
   @classmethod
   def from_head(cls, head: DartHead, *, emb_dim: int = 32, gru_hidden_dim: int = 32,

@@ -48,7 +48,9 @@ from dart_jax.models import precision as precision_lib
 from dart_jax.models.config import RopeScaling, rope_from_hf, rope_inv_freq
 from dart_jax.models.precision import Precision
 from dart_jax.models.transformer import TOKEN_MAJOR, Attention, KVCache, write_kv
-from dart_jax.io import read_safetensors_dir, write_safetensors_dir
+from dart_jax.io import (embedded_dartree_config, embedded_domino_dir, read_safetensors_dir,
+                         write_safetensors_dir)
+from dart_jax.tree.dartree import DARTreeConfig
 
 PROJECTOR_DOMINO = "domino"
 
@@ -483,11 +485,16 @@ class DFlashDrafter:
   methods: "dartree" (pruned, default), "dartree-fixed", "ddtree", "chain"
   (Domino chain with the head, DFlash chain without), "dflash-chain",
   "domino-chain". See ``dart_jax.decode.dartree``.
+
+  tree_config: the ``DARTreeConfig`` that ``generate`` uses when it is given
+  none (set for the shipped drafter: the settings measured for it); None =
+  ``DARTreeConfig()``.
   """
 
   config: DFlashConfig
   graphdef: Any
   params: Any
+  tree_config: DARTreeConfig | None = None
 
   @classmethod
   def init(cls, target, *, block_size: int = 16, num_layers: int = 1,
@@ -549,35 +556,54 @@ class DFlashDrafter:
                         + "; load the drafter made for this target")
 
 
-def save_dflash(drafter: DFlashDrafter, path: str | os.PathLike) -> None:
+def save_dflash(drafter: DFlashDrafter, path: str | os.PathLike, *, dtype=np.float32
+                ) -> None:
   """Writes ``drafter`` in the released format (config.json + model.safetensors,
-  linear weights [out, in], GRU weights in torch layout)."""
+  linear weights [out, in], GRU weights in torch layout), weights in ``dtype``
+  (float16 for a shipped file: half the bytes)."""
 
   tensors = checkpoint.tensors_from_state(drafter.params, released_name)
-  tensors = {k: v.astype(np.float32) for k, v in tensors.items()}
+  tensors = {k: v.astype(dtype) for k, v in tensors.items()}
   write_safetensors_dir(path, drafter.config.to_hf(), tensors)
 
 
-def load_dflash(path: str | os.PathLike, target, *, dtype=None) -> DFlashDrafter:
+def load_dflash(path: str | os.PathLike | None = None, target=None, *, dtype=None
+                ) -> DFlashDrafter:
   """Loads a DFlash or Domino drafter for ``target`` from a released-format dir.
 
+  Args:
+    path: the drafter directory (config.json + model.safetensors); None = the
+      Domino drafter shipped for the embedded SmolLM2-135M-Instruct target, with
+      its measured DARTree settings attached (``DFlashDrafter.tree_config``).
+    target: the ``Target`` the drafter drafts for (required: the drafter reads
+      its embedding, lm_head and layer outputs).
+    dtype: the drafter's ``Precision``; default its target's drafter mode.
   Raises CheckpointError for missing / corrupt / mis-shaped tensors and
   ConfigError for a config that is invalid or does not fit the target.
   """
 
-  path = os.fspath(path)
+  if target is None:
+    raise ConfigError("load_dflash / load_domino need the target the drafter drafts "
+                      "for: load_domino(path, target) (path None = the shipped drafter)")
+  shipped = path is None
+  path = os.fspath(embedded_domino_dir() if shipped else path)
   hf, tensors = read_safetensors_dir(path)
   config = DFlashConfig.from_hf(hf, target.config, source=path)
   drafter = _from_tensors(config, tensors, precision_lib.of_drafter(dtype, target), path)
   drafter.check_target(target)
+  if shipped:
+    drafter = dataclasses.replace(drafter,
+                                  tree_config=DARTreeConfig(**embedded_dartree_config()))
   return sharding_lib.drafter_on_mesh(drafter, target)
 
 
-def load_domino(path: str | os.PathLike, target, *, dtype=None) -> DFlashDrafter:
-  """Like ``load_dflash`` but requires the Domino correction head."""
+def load_domino(path: str | os.PathLike | None = None, target=None, *, dtype=None
+                ) -> DFlashDrafter:
+  """Like ``load_dflash`` but requires the Domino correction head (path None =
+  the drafter shipped for the embedded target)."""
   drafter = load_dflash(path, target, dtype=dtype)
   if not drafter.domino:
-    raise ConfigError(f"{os.fspath(path)}: dflash_config.projector_type is "
+    raise ConfigError(f"{path}: dflash_config.projector_type is "
                       f"{drafter.config.projector_type!r}, not 'domino'; this is a "
                       "plain DFlash drafter (use load_dflash)")
   return drafter

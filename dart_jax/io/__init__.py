@@ -3,6 +3,8 @@
 from dart_jax.io.default_model import cache_dir
 from dart_jax.io.default_model import convert_gguf_to_dir
 from dart_jax.io.default_model import embedded_dart_dir
+from dart_jax.io.default_model import embedded_dartree_config
+from dart_jax.io.default_model import embedded_domino_dir
 from dart_jax.io.default_model import embedded_gguf_path
 from dart_jax.io.default_model import embedded_ngram_path
 from dart_jax.io.default_model import embedded_tree_config
@@ -19,6 +21,8 @@ __all__ = [
     "cache_dir",
     "convert_gguf_to_dir",
     "embedded_dart_dir",
+    "embedded_dartree_config",
+    "embedded_domino_dir",
     "embedded_gguf_path",
     "embedded_ngram_path",
     "embedded_tree_config",

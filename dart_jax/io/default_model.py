@@ -69,11 +69,33 @@ def embedded_dart_dir() -> pathlib.Path:
 
 def embedded_tree_config() -> dict:
   """TreeConfig fields measured for the shipped head (``manifest.json``'s ``tree``)."""
+  return _manifest_section("tree")
+
+
+def _manifest_section(key: str) -> dict:
   path = EMBEDDED_ASSETS / "manifest.json"
   try:
-    return dict(json.loads(path.read_text())["tree"])
+    return dict(json.loads(path.read_text())[key])
   except (OSError, ValueError, KeyError, TypeError) as e:
-    raise CheckpointError(f"cannot read the shipped tree settings from {path}: {e}") from e
+    raise CheckpointError(f"cannot read the shipped {key!r} settings from {path}: {e}"
+                          ) from e
+
+
+def embedded_domino_dir() -> pathlib.Path:
+  """Directory of the Domino drafter (DFlash backbone + correction head) shipped
+  for the embedded target, in the released format."""
+  path = EMBEDDED_ASSETS / "domino"
+  if not (path / "config.json").is_file():
+    raise CheckpointError(f"the packaged Domino drafter is missing ({path}); this install "
+                          "of dart-jax is incomplete, reinstall it or pass a drafter "
+                          "directory")
+  return path
+
+
+def embedded_dartree_config() -> dict:
+  """DARTreeConfig fields measured for the shipped drafter (``manifest.json``'s
+  ``dartree``)."""
+  return _manifest_section("dartree")
 
 
 def embedded_ngram_path() -> pathlib.Path:

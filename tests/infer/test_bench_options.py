@@ -102,9 +102,12 @@ def test_drafter_for_another_target_is_rejected(tiny, drafter_dirs):
     (["--method", "ar,beam"], "choose from ar, dart, dart-no-context, dflash-chain, domino-chain, ddtree, "
                               "dartree-fixed, dartree, dart-gru, dart-gru-fixed, "
                               "dart-gru-chain, hf"),
-    (["--method", "ar,dartree"], "dartree needs a Domino drafter"),
-    (["--method", "ddtree,dflash-chain"], "ddtree,dflash-chain needs a drafter: --dflash"),
-    (["--method", "ddtree,dartree-fixed", "--dflash", "d"],
+    # Another target than the embedded one: the shipped drafter does not serve.
+    (["--method", "ar,dartree", "--model", "m"], "dartree needs a Domino drafter .* for "
+                                                 "--model m"),
+    (["--method", "ddtree,dflash-chain", "--model", "m"],
+     "ddtree,dflash-chain needs a drafter for --model m: --dflash"),
+    (["--method", "ddtree,dartree-fixed", "--dflash", "d", "--model", "m"],
      "dartree-fixed needs a Domino drafter .* --dflash d gives only the DFlash backbone"),
     (["--method", "dartree", "--drafter", "some/dir"], "--drafter takes only 'random'"),
     (["--method", "dartree", "--drafter", "random", "--domino", "d"], "replaces"),

@@ -77,9 +77,10 @@ def test_cli_compare_reports_both_methods_and_the_speedup(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--method", "dartree"], "needs a Domino drafter"),
-    (["--method", "ddtree"], "needs a drafter: --dflash DIR"),
-    (["--dflash", "d", "--method", "dartree"], "gives only the DFlash backbone"),
+    (["--method", "dartree", "--model", "m"], "needs a Domino drafter"),
+    (["--method", "ddtree", "--model", "m"], "needs a drafter for --model m: --dflash DIR"),
+    (["--dflash", "d", "--method", "dartree", "--model", "m"],
+     "gives only the DFlash backbone"),
     (["--draft", "h", "--method", "dartree", "--drafter", "random"],
      "--draft are DART options"),
     (["--draft", "h", "--domino", "d"], "--domino are DARTree options"),

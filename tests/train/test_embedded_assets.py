@@ -1,5 +1,6 @@
 """Packing a trained head + N-gram into shipped assets, and the shipped ones."""
 
+import dataclasses
 import json
 import os
 
@@ -8,7 +9,9 @@ import numpy as np
 import pytest
 
 import dart_jax as dj
+from dart_jax.decode.methods import make_decoder
 from dart_jax.io import default_model
+from dart_jax.sampling import SamplingConfig
 from train import configs, data as data_lib, embedded_assets
 
 
@@ -50,12 +53,57 @@ def test_pack_round_trip(tiny_target, tmp_path):
   np.testing.assert_allclose(probs[0], expected, rtol=1e-6)
 
 
-def test_missing_assets_are_clear_errors(monkeypatch, tmp_path):
+def test_pack_drafter_keeps_the_head_entries_and_sets_the_shipped_tree(
+    tiny_target, tmp_path, monkeypatch):
+  out = tmp_path / "out"
+  out.mkdir()
+  head_entries = {"tree": {"topk": 6, "beam_width": 6, "remain_total": 6},
+                  "files": {"dart_head/model.safetensors": 123}}
+  (out / "manifest.json").write_text(json.dumps(head_entries))
+  drafter = dj.DFlashDrafter.init(tiny_target, block_size=4, domino=True, emb_dim=8,
+                                  gru_hidden_dim=8, seed=1)
+  dj.save_dflash(drafter, tmp_path / "export")
+  tree = dj.tree.DARTreeConfig(topk=4, supertree_width=3, budget=8, depth_bonus=-0.5)
+  manifest = embedded_assets.pack_drafter(tiny_target, str(tmp_path / "export"), str(out),
+                                          tree)
+  assert json.loads((out / "manifest.json").read_text()) == manifest
+  assert manifest["tree"] == head_entries["tree"]
+  assert manifest["dartree"] == {"topk": 4, "supertree_width": 3, "budget": 8,
+                                 "depth_bonus": -0.5}
+  assert manifest["domino"]["block_size"] == 4 and manifest["domino"]["emb_dim"] == 8
+  assert manifest["files"]["dart_head/model.safetensors"] == 123
+  assert manifest["files"]["domino/model.safetensors"] == os.path.getsize(
+      out / "domino" / "model.safetensors")
+  # float16 on disk: about half the bytes of the float32 export.
+  assert os.path.getsize(out / "domino" / "model.safetensors") < 0.6 * os.path.getsize(
+      tmp_path / "export" / "model.safetensors")
+  # As shipped: load_domino() with no path loads it with its measured tree.
+  monkeypatch.setattr(default_model, "EMBEDDED_ASSETS", out)
+  shipped = dj.load_domino(target=tiny_target)
+  assert shipped.tree_config == tree
+  leaves = jax.tree_util.tree_leaves_with_path(drafter.params)
+  shipped_leaves = jax.tree_util.tree_leaves(shipped.params)
+  assert len(leaves) == len(shipped_leaves)
+  for (path, a), b in zip(leaves, shipped_leaves):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-3, atol=1e-6,
+                               err_msg=jax.tree_util.keystr(path))
+  # generate's default tree is the measured one; given fields change only themselves.
+  decoder = make_decoder(tiny_target, SamplingConfig(), 0, shipped)
+  assert decoder.proposer.tree_config == tree
+  decoder = make_decoder(tiny_target, SamplingConfig(), 0, shipped, budget=5)
+  assert decoder.proposer.tree_config == dataclasses.replace(tree, budget=5)
+
+
+def test_missing_assets_are_clear_errors(monkeypatch, tmp_path, tiny_target):
   monkeypatch.setattr(default_model, "EMBEDDED_ASSETS", tmp_path / "nothing")
   with pytest.raises(dj.CheckpointError, match="packaged DART head is missing"):
     dj.load_dart()
   with pytest.raises(dj.CheckpointError, match="packaged N-gram is missing"):
     dj.load_ngram()
+  with pytest.raises(dj.CheckpointError, match="packaged Domino drafter is missing"):
+    dj.load_domino(target=tiny_target)
+  with pytest.raises(dj.ConfigError, match="need the target"):
+    dj.load_domino()
 
 
 def test_shipped_assets_are_small_and_fit_the_embedded_target():
@@ -66,7 +114,8 @@ def test_shipped_assets_are_small_and_fit_the_embedded_target():
   for name, size in manifest["files"].items():
     assert os.path.getsize(default_model.EMBEDDED_ASSETS / name) == size, name
   head = dj.load_dart()  # No target: tap layers come from the shipped config.
-  assert head.tree == dj.tree.TreeConfig(**manifest["tree"])  # generate's default tree  assert head.config.vocab_size == 49152 and head.config.target_hidden_size == 576
+  assert head.tree == dj.tree.TreeConfig(**manifest["tree"])  # generate's default tree
+  assert head.config.vocab_size == 49152 and head.config.target_hidden_size == 576
   assert head.config.draft_vocab_size == manifest["draft_vocab_size"]
   ngram = dj.load_ngram()
   assert ngram.order == manifest["ngram_order"]
