@@ -1,26 +1,30 @@
 """Tree size against plain decoding on development prompts (never benchmark prompts).
 
   python -m infer.tree_sweep --nodes 3,5,8 [--prompts 32] [--max-new-tokens 96]
+  python -m infer.tree_sweep --dartree 8:4:8,12:4:8 [--domino DIR] [--prompts 32]
 
-For each tree of N nodes (top-k = beam width = N, the shipped head and N-gram of
-the embedded model unless ``--draft``/``--ngram`` are given) and for plain
-decoding: greedy decoding of ``--prompts`` first user messages of the v2
+For each tree of N nodes (DART: top-k = beam width = N, the shipped head and
+N-gram of the embedded model unless ``--draft``/``--ngram`` are given), or each
+DARTree tree ``budget:width:topk`` (``DARTreeConfig``'s budget,
+supertree_width, topk; the shipped Domino drafter unless ``--domino``), and for
+plain decoding: greedy decoding of ``--prompts`` first user messages of the v2
 held-out split (evenly spaced records), the methods alternating per prompt (the
 order reversed every other prompt) in one process so that drift on a shared
 machine hits all alike. Prints per method the median tokens/s, the median of
 the per-prompt ratios to plain decoding, tokens per round, and how many outputs
-equal plain decoding's. This is how the shipped tree was chosen
+equal plain decoding's. This is how the shipped trees were chosen
 (``dart_jax/assets/smollm2_135m/README.md``).
 """
 
 import argparse
+import dataclasses
 import json
 import lzma
 import statistics
 import sys
 
 import dart_jax as dj
-from dart_jax.tree import TreeConfig
+from dart_jax.tree import DARTreeConfig, TreeConfig
 from train.configs import SMOLLM2_V2_HELDOUT
 
 
@@ -36,14 +40,41 @@ def dev_prompts(count: int, path: str = SMOLLM2_V2_HELDOUT) -> list[str]:
   return [records[i * step]["messages"][0]["content"] for i in range(count)]
 
 
-def sweep(target, head, ngram, nodes: list[int], prompts: list, max_new_tokens: int
+def dart_trees(head, ngram, nodes: list[int]) -> dict[str, dict]:
+  """``generate`` options of DART with trees of N nodes, by name ("N nodes")."""
+  return {f"{n} nodes": dict(draft=head, ngram=ngram,
+                             tree=TreeConfig(topk=n, beam_width=n, remain_total=n))
+          for n in nodes}
+
+
+def dartree_trees(drafter, trees: list[DARTreeConfig]) -> dict[str, dict]:
+  """``generate`` options of DARTree (pruned) with each tree, by name
+  ("dartree B:W:K" = budget, supertree width, top-K)."""
+  return {f"dartree {t.budget}:{t.supertree_width}:{t.topk}":
+          dict(draft=drafter, tree="dartree", tree_config=t) for t in trees}
+
+
+def parse_dartree_trees(spec: str, base: DARTreeConfig | None = None
+                        ) -> list[DARTreeConfig]:
+  """``"8:4:8,12:4:8"`` -> DARTreeConfigs (budget:width:topk over ``base``)."""
+  trees = []
+  for item in spec.split(","):
+    try:
+      budget, width, topk = (int(v) for v in item.split(":"))
+    except ValueError:
+      raise dj.InputError(f"--dartree takes budget:width:topk items, e.g. 8:4:8, got "
+                          f"{item!r}") from None
+    trees.append(dataclasses.replace(base or DARTreeConfig(), budget=budget,
+                                     supertree_width=width, topk=topk))
+  return trees
+
+
+def sweep(target, methods: dict[str, dict], prompts: list, max_new_tokens: int
           ) -> dict[str, dict]:
-  """{"ar" | "N nodes": {"tokens_per_s": [...], "accept": [...], "tokens": [...]}},
-  one entry per prompt (text, or token ids) in each list."""
-  methods = {"ar": {}} | {
-      f"{n} nodes": dict(draft=head, ngram=ngram,
-                         tree=TreeConfig(topk=n, beam_width=n, remain_total=n))
-      for n in nodes}
+  """{"ar" | name: {"tokens_per_s": [...], "accept": [...], "tokens": [...]}},
+  one entry per prompt (text, or token ids) in each list; methods: name ->
+  ``generate`` options (``dart_trees``, ``dartree_trees``)."""
+  methods = {"ar": {}} | methods
   for kwargs in methods.values():  # compile every method first
     dj.generate(target, prompts[0], max_new_tokens=8, temperature=0.0, **kwargs)
   runs = {name: {"tokens_per_s": [], "accept": [], "tokens": []} for name in methods}
@@ -64,7 +95,7 @@ def report(runs: dict[str, dict]) -> str:
   for name, run in runs.items():
     ratios = [r / a for r, a in zip(run["tokens_per_s"], ar["tokens_per_s"])]
     same = sum(t == a for t, a in zip(run["tokens"], ar["tokens"]))
-    lines.append(f"{name:>9}: {statistics.median(run['tokens_per_s']):6.1f} tok/s, "
+    lines.append(f"{name:>17}: {statistics.median(run['tokens_per_s']):6.1f} tok/s, "
                  f"{statistics.median(ratios):.3f}x of AR (median), "
                  f"{statistics.mean(run['accept']):.3f} tokens/round, "
                  f"greedy == AR {same}/{len(ratios)}")
@@ -78,15 +109,28 @@ def main(argv=None) -> int:
   p.add_argument("--max-new-tokens", type=int, default=96)
   p.add_argument("--draft", default=None, help="a DART head directory (default: shipped)")
   p.add_argument("--ngram", default=None, help="an N-gram trie (default: shipped)")
+  p.add_argument("--dartree", default=None, metavar="B:W:K,...",
+                 help="sweep DARTree (pruned) trees instead: budget:width:topk items")
+  p.add_argument("--domino", default=None,
+                 help="a Domino drafter directory for --dartree (default: shipped)")
   args = p.parse_args(argv)
-  nodes = [int(n) for n in args.nodes.split(",")]
-  if any(n < 1 for n in nodes):
-    p.error(f"--nodes must be positive, got {args.nodes}")
-  target = dj.load_target()
-  head = dj.load_dart(args.draft, target)  # None: the shipped head and N-gram
-  ngram = dj.load_ngram(args.ngram)
-  runs = sweep(target, head, ngram, nodes, dev_prompts(args.prompts), args.max_new_tokens)
-  print(report(runs))
+  try:
+    prompts = dev_prompts(args.prompts)
+    if args.dartree:
+      trees = parse_dartree_trees(args.dartree)
+      target = dj.load_target()
+      methods = dartree_trees(dj.load_domino(args.domino, target), trees)
+    else:
+      nodes = [int(n) for n in args.nodes.split(",")]
+      if any(n < 1 for n in nodes):
+        raise dj.InputError(f"--nodes must be positive, got {args.nodes}")
+      target = dj.load_target()
+      head = dj.load_dart(args.draft, target)  # None: the shipped head and N-gram
+      methods = dart_trees(head, dj.load_ngram(args.ngram), nodes)
+  except dj.DartJaxError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(report(sweep(target, methods, prompts, args.max_new_tokens)))
   return 0
 
 

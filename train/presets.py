@@ -113,6 +113,22 @@ PRESETS.update({
         steps=150, batch_size=4, log_every=5, eval_every=75, eval_batches=2,
         checkpoint_every=25,
     ),
+    # The drafter shipped for the embedded SmolLM2 (dart_jax/assets/smollm2_135m/
+    # domino): smollm2_domino's shape on the v2 data (greedy answers first, the
+    # v2 held-out split for eval), cached context taps, the best held-out
+    # drafter exported to WORKDIR/best.
+    "smollm2_domino_v2": TrainConfig(
+        target=TargetSection(path=None, dtype="fast-rows"),
+        head=HeadSection(kind="domino"),
+        dflash=DFlashSection(block_size=6, num_layers=1, num_taps=3, emb_dim=128,
+                             gru_hidden_dim=256),
+        data=DataSection(train=SMOLLM2_V2_TRAIN, eval=(SMOLLM2_V2_HELDOUT,), max_len=512,
+                         eval_fraction=0.0, max_examples=3600, target_features="cached"),
+        loss=LossSection(num_anchors=32, domino_anneal=0.3),
+        optim=OptimSection(learning_rate=1e-3, warmup_steps=30, end_lr_ratio=0.1),
+        steps=1600, batch_size=4, log_every=10, eval_every=200, eval_batches=8,
+        checkpoint_every=50,
+    ),
     # Qwen3-8B (36 layers) on a TPU pod slice, the released drafters' shape: 5
     # layers reading target layers 1, 9, 17, 25, 33, block of 16. Domino:
     # E=256, G=1024; dflash.init_from=/path/to/Qwen3-8B-DFlash-b16 trains a

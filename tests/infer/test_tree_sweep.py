@@ -30,7 +30,8 @@ def test_dev_prompts_are_evenly_spaced_held_out_first_messages():
 def test_sweep_is_lossless_and_reports_every_method():
   target, head = bench_helpers.tiny()
   prompts = [[1, 5, 9, 2, 7, 3], [4, 4, 8, 1, 6, 2, 9]]
-  runs = tree_sweep.sweep(target, head, None, [2, 3], prompts, max_new_tokens=8)
+  runs = tree_sweep.sweep(target, tree_sweep.dart_trees(head, None, [2, 3]), prompts,
+                          max_new_tokens=8)
   assert list(runs) == ["ar", "2 nodes", "3 nodes"]
   for run in runs.values():
     assert run["tokens"] == runs["ar"]["tokens"]  # greedy DART == greedy AR
@@ -38,3 +39,18 @@ def test_sweep_is_lossless_and_reports_every_method():
   lines = tree_sweep.report(runs).splitlines()
   assert len(lines) == 3 and all(line.endswith("greedy == AR 2/2") for line in lines)
   assert "1.000x of AR" in lines[0]
+
+
+def test_dartree_sweep_is_lossless_and_parses_its_trees():
+  target, _ = bench_helpers.tiny()
+  drafter = dj.DFlashDrafter.init(target, block_size=4, domino=True, seed=0)
+  trees = tree_sweep.parse_dartree_trees("3:2:4,6:3:4")
+  assert [(t.budget, t.supertree_width, t.topk) for t in trees] == [(3, 2, 4), (6, 3, 4)]
+  prompts = [[1, 5, 9, 2, 7, 3], [4, 4, 8, 1, 6, 2, 9]]
+  runs = tree_sweep.sweep(target, tree_sweep.dartree_trees(drafter, trees), prompts,
+                          max_new_tokens=8)
+  assert list(runs) == ["ar", "dartree 3:2:4", "dartree 6:3:4"]
+  for run in runs.values():
+    assert run["tokens"] == runs["ar"]["tokens"]  # greedy DARTree == greedy AR
+  with pytest.raises(dj.InputError, match="budget:width:topk"):
+    tree_sweep.parse_dartree_trees("8:4")
