@@ -20,6 +20,16 @@ def tiny_target():
   return dj.load_target(configs.TINY_TARGET, dtype=np.float32)
 
 
+def _assert_within_float16_rounding(params, shipped_params):
+  """float16 storage: every weight within half-precision rounding of the original."""
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+  shipped_leaves = jax.tree_util.tree_leaves(shipped_params)
+  assert len(leaves) == len(shipped_leaves)
+  for (path, a), b in zip(leaves, shipped_leaves):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-3, atol=1e-6,
+                               err_msg=jax.tree_util.keystr(path))
+
+
 def test_pack_round_trip(tiny_target, tmp_path):
   head = dj.DartHead.init(tiny_target, draft_length=3, draft_vocab_size=64, seed=1)
   head = head.with_draft_vocab(np.arange(0, 128, 2))
@@ -29,13 +39,7 @@ def test_pack_round_trip(tiny_target, tmp_path):
                                   order=3, min_count=1, tree_budget="5")
   assert manifest["tree"] == {"topk": 5, "beam_width": 5, "remain_total": 5}
   shipped = dj.load_dart(tmp_path / "out" / "dart_head", tiny_target)
-  # float16 storage: every weight within half-precision rounding of the original.
-  leaves = jax.tree_util.tree_leaves_with_path(head.params)
-  shipped_leaves = jax.tree_util.tree_leaves(shipped.params)
-  assert len(leaves) == len(shipped_leaves)
-  for (path, a), b in zip(leaves, shipped_leaves):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-3, atol=1e-6,
-                               err_msg=jax.tree_util.keystr(path))
+  _assert_within_float16_rounding(head.params, shipped.params)
   assert manifest["files"]["dart_head/model.safetensors"] == os.path.getsize(
       tmp_path / "out" / "dart_head" / "model.safetensors")
   # The N-gram counts the chat-rendered training tokens: a 3-gram of the first
@@ -81,12 +85,7 @@ def test_pack_drafter_keeps_the_head_entries_and_sets_the_shipped_tree(
   monkeypatch.setattr(default_model, "EMBEDDED_ASSETS", out)
   shipped = dj.load_domino(target=tiny_target)
   assert shipped.tree_config == tree
-  leaves = jax.tree_util.tree_leaves_with_path(drafter.params)
-  shipped_leaves = jax.tree_util.tree_leaves(shipped.params)
-  assert len(leaves) == len(shipped_leaves)
-  for (path, a), b in zip(leaves, shipped_leaves):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-3, atol=1e-6,
-                               err_msg=jax.tree_util.keystr(path))
+  _assert_within_float16_rounding(drafter.params, shipped.params)
   # generate's default tree is the measured one; given fields change only themselves.
   decoder = make_decoder(tiny_target, SamplingConfig(), 0, shipped)
   assert decoder.proposer.tree_config == tree
