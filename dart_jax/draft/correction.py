@@ -85,9 +85,16 @@ class CorrectionHead:
   def state_size(self) -> int:
     return self.w_hidden.shape[0]
 
+  def embed_rows(self, tokens: jax.Array) -> jax.Array:
+    """Float32 embeddings of ``tokens [...]`` -> [..., H]."""
+    return jnp.take(self.embed, tokens, axis=0).astype(jnp.float32)
+
   def gru(self, tokens: jax.Array, state: jax.Array) -> jax.Array:
     """GRU step on the embeddings of ``tokens [F]``; state [F, G] -> [F, G]."""
-    x = jnp.take(self.embed, tokens, axis=0).astype(jnp.float32)
+    return self.gru_on(self.embed_rows(tokens), state)
+
+  def gru_on(self, x: jax.Array, state: jax.Array) -> jax.Array:
+    """GRU step on embeddings ``x [F, H]`` (float32); state [F, G] -> [F, G]."""
     gi, gh = x @ self.w_input, state @ self.w_hidden
     g = self.state_size
     reset = jax.nn.sigmoid(gi[..., :g] + gh[..., :g])
