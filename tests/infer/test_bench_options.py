@@ -1,5 +1,6 @@
 """The benchmark's options, method names and drafter loading (infer.bench_options)."""
 
+import dataclasses
 import re
 
 import numpy as np
@@ -137,3 +138,17 @@ def test_dartree_budget_auto_is_for_the_bench_only(capsys):
                    "--dartree-budget", "auto"]) == 2
   err = capsys.readouterr().err
   assert err.startswith("error: --dartree-budget auto is measured by python -m infer.bench")
+
+
+def test_the_embedded_target_gets_the_shipped_drafter(smollm2):
+  # No drafter flag and no --model: the shipped Domino drafter serves all five
+  # methods, loaded once, with its measured tree; the flags change that tree.
+  chosen = bench_options.load_drafters(_args(), smollm2, ["ar", *bench_options.DARTREE_METHODS])
+  assert set(chosen) == set(bench_options.DARTREE_METHODS)
+  assert {source for _, source in chosen.values()} == {bench_options.SHIPPED_DRAFTER}
+  (drafter,) = {id(d): d for d, _ in chosen.values()}.values()
+  assert drafter.domino and drafter.tree_config == dj.tree.DARTreeConfig(
+      **dj.io.embedded_dartree_config())
+  changed = bench_options.dartree_config(_args("--dartree-budget", "5"),
+                                         base=drafter.tree_config)
+  assert changed == dataclasses.replace(drafter.tree_config, budget=5)

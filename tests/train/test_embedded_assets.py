@@ -109,7 +109,7 @@ def test_shipped_assets_are_small_and_fit_the_embedded_target():
   manifest_path = default_model.EMBEDDED_ASSETS / "manifest.json"
   manifest = json.loads(manifest_path.read_text())
   total = sum(manifest["files"].values())
-  assert total < 40e6, f"shipped assets are {total / 1e6:.1f} MB"
+  assert total < 60e6, f"shipped assets are {total / 1e6:.1f} MB"  # head 20, drafter 23, N-gram 6
   for name, size in manifest["files"].items():
     assert os.path.getsize(default_model.EMBEDDED_ASSETS / name) == size, name
   head = dj.load_dart()  # No target: tap layers come from the shipped config.
