@@ -237,9 +237,10 @@ def auto_dartree_budgets(target, tree_methods: dict[str, tuple[Any, str]],
   """``--dartree-budget auto``: a measured budget per bench method whose tree takes one.
 
   tree_methods: bench method -> (its drafter, ``generate``'s tree name); chains
-  are skipped. bases: bench method -> the tree whose budget is replaced. One verify-cost curve of the target, over the sizes every method
-  needs, is timed in one pass (with the first method's taps: taps only choose
-  which layer outputs a pass returns) and shared; each method then gets its own
+  are skipped. bases: bench method -> the tree whose budget is replaced. One
+  verify-cost curve of the target, over the sizes every method needs, is timed
+  in one pass (with the first method's taps: taps only choose which layer
+  outputs a pass returns) and shared; each method then gets its own
   calibration run (``tb.choose_budget``).
   """
   families = {m: tb.dartree_family(drafter, tree, bases[m], label=m)
@@ -301,8 +302,8 @@ def load_drafters(args, target, methods: Sequence[str]) -> dict[str, tuple[Any, 
   only its backbone's uncorrected marginals); the other three need ``--domino``.
   On the embedded target (no ``--model``) the Domino drafter shipped for it
   stands in for ``--domino``. ``--drafter random`` makes one random Domino
-  drafter for all of them. Raises
-  InputError for missing / conflicting drafter flags (``check_drafter_args``),
+  drafter for all of them. Raises InputError for missing / conflicting
+  drafter flags (``check_drafter_args``),
   CheckpointError / ConfigError for bad directories and drafters made for another
   target (hidden size, vocabulary or layer count).
   """

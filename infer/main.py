@@ -4,8 +4,9 @@ Streams the answer of the target model (the embedded SmolLM2-135M-Instruct by
 default), plainly or with speculative decoding: DART (``--draft``) or a DARTree
 method (``--method dartree|dartree-fixed|ddtree|dflash-chain|domino-chain`` with
 ``--domino`` / ``--dflash`` drafters, on the embedded target the shipped Domino
-drafter; see ``infer.bench`` for which drafter serves which method) or DART-GRU (``--method dart-gru|dart-gru-fixed|dart-gru-chain``
-with ``--dart-gru DIR``). Speculative decoding gives the same output, faster.
+drafter; see ``infer.bench`` for which drafter serves which method) or DART-GRU
+(``--method dart-gru|dart-gru-fixed|dart-gru-chain`` with ``--dart-gru DIR``).
+Speculative decoding gives the same output, faster.
 """
 
 import argparse

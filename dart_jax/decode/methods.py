@@ -110,8 +110,7 @@ class DARTree:
               profile: bool = False) -> Decoder:
     return dartree_decoder(target, self.drafter, resolve_method(self.tree,
                                                                 self.drafter.domino),
-                           self.config or self.drafter.tree_config or DARTreeConfig(),
-                           sampling=sampling, seed=seed,
+                           _tree_config(self), sampling=sampling, seed=seed,
                            profile=profile)
 
 
@@ -138,9 +137,13 @@ class DartGru:
   def decoder(self, target: Target, sampling: SamplingConfig, seed: int = 0,
               profile: bool = False) -> Decoder:
     return dart_gru_decoder(target, self.drafter, resolve_method(self.tree, True),
-                            self.config or self.drafter.tree_config or DARTreeConfig(),
-                            sampling=sampling, seed=seed,
+                            _tree_config(self), sampling=sampling, seed=seed,
                             profile=profile)
+
+
+def _tree_config(method: "DARTree | DartGru") -> DARTreeConfig:
+  """The method's tree, else its drafter's measured one, else the defaults."""
+  return method.config or method.drafter.tree_config or DARTreeConfig()
 
 
 Method = DART | DARTree | DartGru

@@ -156,8 +156,10 @@ class DartGruDrafter:
   ``generate(target, prompt, draft=drafter, tree=...)`` decodes with it; tree:
   "dartree" (pruned, default), "dartree-fixed", "chain" (the corrected greedy
   chain), or the uncorrected "ddtree" / "dflash-chain"; ``tree_config`` (a
-  ``DARTreeConfig``) or its fields as keyword arguments set the tree shape,
-  starting from ``tree_config`` (None = ``DARTreeConfig()``).
+  ``DARTreeConfig``) or its fields as keyword arguments set the tree shape.
+
+  tree_config: the ``DARTreeConfig`` that ``generate`` starts from when it is
+  given none (as ``DFlashDrafter.tree_config``); None = ``DARTreeConfig()``.
   """
 
   config: DartGruConfig

@@ -91,6 +91,8 @@ def test_pack_drafter_keeps_the_head_entries_and_sets_the_shipped_tree(
   assert decoder.proposer.tree_config == tree
   decoder = make_decoder(tiny_target, SamplingConfig(), 0, shipped, budget=5)
   assert decoder.proposer.tree_config == dataclasses.replace(tree, budget=5)
+  decoder = dj.DARTree(shipped, "dartree").decoder(tiny_target, SamplingConfig())
+  assert decoder.proposer.tree_config == tree  # the typed method, no config given
 
 
 def test_missing_assets_are_clear_errors(monkeypatch, tmp_path, tiny_target):
