@@ -6,8 +6,8 @@
 For each tree of N nodes (DART: top-k = beam width = N, the shipped head and
 N-gram of the embedded model unless ``--draft``/``--ngram`` are given), or each
 DARTree tree ``budget:width:topk`` (``DARTreeConfig``'s budget,
-supertree_width, topk; the shipped Domino drafter unless ``--domino``), and for
-plain decoding: greedy decoding of ``--prompts`` first user messages of the v2
+supertree_width, topk; the shipped Domino drafter unless ``--domino``) and the
+drafter's own chain, and for plain decoding: greedy decoding of ``--prompts`` first user messages of the v2
 held-out split (evenly spaced records), the methods alternating per prompt (the
 order reversed every other prompt) in one process so that drift on a shared
 machine hits all alike. Prints per method the median tokens/s, the median of
@@ -48,10 +48,14 @@ def dart_trees(head, ngram, nodes: list[int]) -> dict[str, dict]:
 
 
 def dartree_trees(drafter, trees: list[DARTreeConfig]) -> dict[str, dict]:
-  """``generate`` options of DARTree (pruned) with each tree, by name
-  ("dartree B:W:K" = budget, supertree width, top-K)."""
-  return {f"dartree {t.budget}:{t.supertree_width}:{t.topk}":
-          dict(draft=drafter, tree="dartree", tree_config=t) for t in trees}
+  """``generate`` options of the drafter's chain ("domino-chain" with a
+  correction head, else "dflash-chain": the baseline a tree must beat) and of
+  DARTree (pruned) with each tree, by name ("dartree B:W:K" = budget,
+  supertree width, top-K)."""
+  chain = "domino-chain" if drafter.domino else "dflash-chain"
+  return {chain: dict(draft=drafter, tree=chain)} | {
+      f"dartree {t.budget}:{t.supertree_width}:{t.topk}":
+      dict(draft=drafter, tree="dartree", tree_config=t) for t in trees}
 
 
 def parse_dartree_trees(spec: str, base: DARTreeConfig | None = None

@@ -167,12 +167,16 @@ class LossSection:
     4 for 8, else (B-1)/2); ``inf`` = uniform.
   domino_anneal: Domino: the loss is ``(1-l)*CE(corrected) + l*CE(base)`` with
     l decayed linearly 1 -> 0 over this fraction of the steps (0: l = 0).
+  domino_floor: Domino: l never falls below this. The spec anneals l to 0, which
+    stops training the base marginals; DARTree draws its candidate table from
+    their top-K, so a floor keeps them useful (issue #20).
   """
 
   num_anchors: int = 64
   level_decay: float = 0.6
   position_gamma: float = 0.0
   domino_anneal: float = 0.5
+  domino_floor: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,6 +306,9 @@ class TrainConfig:
     if not 0 <= self.loss.domino_anneal <= 1:
       raise ConfigError(f"loss.domino_anneal must be in [0, 1], got "
                         f"{self.loss.domino_anneal}")
+    if not 0 <= self.loss.domino_floor <= 1:
+      raise ConfigError(f"loss.domino_floor must be in [0, 1], got "
+                        f"{self.loss.domino_floor}")
 
 
 def to_dict(config: TrainConfig) -> dict:

@@ -49,7 +49,9 @@ class BlockStats(NamedTuple):
   """Sums over a batch, one entry per block slot [D] (add across batches, then divide).
 
   ce_sum / correct: of the logits drafts are made with (Domino: corrected);
-  base_ce_sum / base_correct: of the backbone's base logits.
+  base_ce_sum / base_correct: of the backbone's base logits;
+  base_in_topk: the label is among the base logits' top ``CANDIDATE_TOPK``, i.e.
+    in DARTree's candidate table, which bounds what a tree can accept.
   """
 
   ce_sum: jax.Array
@@ -57,6 +59,12 @@ class BlockStats(NamedTuple):
   base_ce_sum: jax.Array
   base_correct: jax.Array
   count: jax.Array
+  base_in_topk: jax.Array
+
+
+# DARTree's candidate table: the top-K of the base logits per slot (the shipped
+# SmolLM2 tree's K; the spec's default is 64).
+CANDIDATE_TOPK = 32
 
 
 def default_gamma(block_size: int) -> float:
@@ -70,11 +78,12 @@ def position_weights(num_depths: int, gamma: float) -> np.ndarray:
   return np.exp(-(k - 1) / gamma).astype(np.float32)
 
 
-def domino_lambda(step: jax.Array, anneal_steps: int) -> jax.Array:
-  """l(step) = max(0, 1 - step / anneal_steps); 0 throughout when anneal_steps = 0."""
+def domino_lambda(step: jax.Array, anneal_steps: int, floor: float = 0.0) -> jax.Array:
+  """l(step) = max(floor, 1 - step / anneal_steps); ``floor`` throughout when
+  anneal_steps = 0."""
   if anneal_steps <= 0:
-    return jnp.zeros((), jnp.float32)
-  return jnp.clip(1.0 - jnp.asarray(step, jnp.float32) / anneal_steps, 0.0, 1.0)
+    return jnp.full((), floor, jnp.float32)
+  return jnp.clip(1.0 - jnp.asarray(step, jnp.float32) / anneal_steps, floor, 1.0)
 
 
 def block_targets(loss_mask: jax.Array, segment_ids: jax.Array, num_depths: int
@@ -205,6 +214,9 @@ def block_loss(base_logits: jax.Array, corrected_logits: jax.Array | None,
   v = valid.astype(jnp.float32)
   base_ce = cross_entropy(base_logits, labels)
   base_hit = (jnp.argmax(base_logits, axis=-1) == labels).astype(jnp.float32)
+  base_gold = jnp.take_along_axis(base_logits, labels[..., None], axis=-1)
+  base_rank = jnp.sum(base_logits > base_gold, axis=-1)
+  base_in_topk = (base_rank < CANDIDATE_TOPK).astype(jnp.float32)
   loss = weighted_ce(base_ce, valid, weights)
   ce, hit = base_ce, base_hit
   if corrected_logits is not None:
@@ -213,7 +225,7 @@ def block_loss(base_logits: jax.Array, corrected_logits: jax.Array | None,
     loss = (1.0 - lam) * weighted_ce(ce, valid, weights) + lam * loss
   total = lambda x: jnp.sum(x * v, axis=(0, 1))
   return loss, BlockStats(total(ce), total(hit), total(base_ce), total(base_hit),
-                          jnp.sum(v, axis=(0, 1)))
+                          jnp.sum(v, axis=(0, 1)), total(base_in_topk))
 
 
 def forward(drafter, target_model, batch: dict, key: jax.Array, *, num_anchors: int,
@@ -245,8 +257,10 @@ def forward(drafter, target_model, batch: dict, key: jax.Array, *, num_anchors: 
 def summarize(stats: BlockStats, weights: np.ndarray, domino: bool) -> dict[str, Any]:
   """Per-slot CE and accuracy, the weighted CE of the drafting logits ("loss"),
   and the estimated acceptance length ``1 + sum_k prod_{j<=k} acc_j`` (host side,
-  from summed stats); Domino adds the same for the base logits."""
-  ce_sum, correct, base_ce_sum, base_correct, count = (
+  from summed stats); Domino adds the same for the base logits, and the base
+  top-``CANDIDATE_TOPK`` recall per slot with the acceptance bound it puts on a
+  DARTree tree (``accept_len_candidates``, the same formula)."""
+  ce_sum, correct, base_ce_sum, base_correct, count, base_in_topk = (
       np.asarray(x, np.float64) for x in stats)
   safe = np.maximum(count, 1.0)
   w = np.asarray(weights, np.float64)
@@ -262,7 +276,10 @@ def summarize(stats: BlockStats, weights: np.ndarray, domino: bool) -> dict[str,
          "targets": [int(x) for x in count]}
   if domino:
     loss_b, ce_b, acc_b, accept_b = part(base_ce_sum, base_correct)
-    out.update(loss_base=loss_b, ce_base=ce_b, acc_base=acc_b, accept_len_base=accept_b)
+    recall = base_in_topk / safe
+    out.update(loss_base=loss_b, ce_base=ce_b, acc_base=acc_b, accept_len_base=accept_b,
+               recall_base=[float(x) for x in recall],
+               accept_len_candidates=float(1.0 + np.sum(np.cumprod(recall))))
   return out
 
 

@@ -62,6 +62,7 @@ class StepSettings:
     ``DartGruConfig`` (DART-GRU).
   position_gamma: DFlash slot weights ``exp(-(k-1)/gamma)`` (resolved, > 0).
   anneal_steps: Domino's l goes 1 -> 0 over these steps.
+  domino_floor: Domino's l never falls below this.
   """
 
   head_config: DartConfig | DFlashConfig | DartGruConfig
@@ -74,6 +75,7 @@ class StepSettings:
   steps: int
   position_gamma: float = 1.0
   anneal_steps: int = 0
+  domino_floor: float = 0.0
 
   @property
   def objective(self):
@@ -234,7 +236,8 @@ class MetricsLog:
     text = (f"[{record['split']}] step {record['step']}: loss {record['loss']:.4f} "
             f"acc {acc} accept_len {record['accept_len']:.3f}")
     if "accept_len_base" in record:
-      text += f" (base {record['accept_len_base']:.3f})"
+      text += (f" (base {record['accept_len_base']:.3f}, top-K candidates bound "
+               f"{record['accept_len_candidates']:.3f})")
     if "domino_lambda" in record:
       text += f" lambda {record['domino_lambda']:.3f}"
     if "grad_norm" in record:

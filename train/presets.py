@@ -129,6 +129,24 @@ PRESETS.update({
         steps=1600, batch_size=4, log_every=10, eval_every=200, eval_batches=8,
         checkpoint_every=50,
     ),
+    # Its second stage (issue #20): continues smollm2_domino_v2's best drafter
+    # (set dflash.init_from=runs/domino_v2/best) on the same data and cached
+    # taps with the base loss kept at weight 0.3 throughout. DARTree's candidate
+    # table is the base logits' top-K; v2's anneal to 0 let the base decay, so
+    # its candidates often missed the token the corrected chain found. Twice
+    # the anchors per row for more supervised blocks per step.
+    "smollm2_domino_v3": TrainConfig(
+        target=TargetSection(path=None, dtype="fast-rows"),
+        head=HeadSection(kind="domino"),
+        dflash=DFlashSection(block_size=6, num_layers=1, num_taps=3, emb_dim=128,
+                             gru_hidden_dim=256, init_from=REQUIRED),
+        data=DataSection(train=SMOLLM2_V2_TRAIN, eval=(SMOLLM2_V2_HELDOUT,), max_len=512,
+                         eval_fraction=0.0, max_examples=3600, target_features="cached"),
+        loss=LossSection(num_anchors=64, domino_anneal=0.0, domino_floor=0.3),
+        optim=OptimSection(learning_rate=5e-4, warmup_steps=20, end_lr_ratio=0.1),
+        steps=800, batch_size=4, log_every=10, eval_every=100, eval_batches=8,
+        checkpoint_every=50,
+    ),
     # Qwen3-8B (36 layers) on a TPU pod slice, the released drafters' shape: 5
     # layers reading target layers 1, 9, 17, 25, 33, block of 16. Domino:
     # E=256, G=1024; dflash.init_from=/path/to/Qwen3-8B-DFlash-b16 trains a

@@ -49,7 +49,7 @@ def test_dartree_sweep_is_lossless_and_parses_its_trees():
   prompts = [[1, 5, 9, 2, 7, 3], [4, 4, 8, 1, 6, 2, 9]]
   runs = tree_sweep.sweep(target, tree_sweep.dartree_trees(drafter, trees), prompts,
                           max_new_tokens=8)
-  assert list(runs) == ["ar", "dartree 3:2:4", "dartree 6:3:4"]
+  assert list(runs) == ["ar", "domino-chain", "dartree 3:2:4", "dartree 6:3:4"]
   for run in runs.values():
     assert run["tokens"] == runs["ar"]["tokens"]  # greedy DARTree == greedy AR
   with pytest.raises(dj.InputError, match="budget:width:topk"):

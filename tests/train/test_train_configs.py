@@ -42,6 +42,7 @@ def test_dflash_presets_and_config_errors():
   for override, message in [("head.kind=eagle", "head.kind must be one of"),
                             ("dflash.block_size=1", "block_size must be >= 2"),
                             ("loss.domino_anneal=2", "domino_anneal"),
+                            ("loss.domino_floor=-0.1", "domino_floor"),
                             ("dflash.blok_size=8", "did you mean 'block_size'"),
                             ("head.init_from=/x", "dflash.init_from")]:
     with pytest.raises(ConfigError, match=message):

@@ -45,6 +45,10 @@ def test_position_weights_and_domino_lambda_schedule():
   lam = [float(dl.domino_lambda(s, 40)) for s in (0, 10, 30, 40, 100)]
   np.testing.assert_allclose(lam, [1.0, 0.75, 0.25, 0.0, 0.0], atol=1e-7)
   assert float(dl.domino_lambda(0, 0)) == 0.0  # no anneal: corrected CE only
+  # A floor keeps the base loss on after the anneal (and without one).
+  floored = [float(dl.domino_lambda(s, 40, 0.3)) for s in (0, 10, 30, 40, 100)]
+  np.testing.assert_allclose(floored, [1.0, 0.75, 0.3, 0.3, 0.3], atol=1e-7)
+  assert float(dl.domino_lambda(5, 0, 0.25)) == 0.25
 
 
 def test_block_loss_on_a_hand_computable_case():
@@ -78,6 +82,26 @@ def test_block_loss_on_a_hand_computable_case():
   np.testing.assert_allclose(summary["loss"], want_corr, rtol=1e-6)
   np.testing.assert_allclose(summary["loss_base"], want_base, rtol=1e-6)
   assert summary["acc"] == [1.0, 0.0] and summary["accept_len"] == 2.0
+  # With V=2 every label is in the base top-32 candidate table.
+  assert summary["recall_base"] == [1.0, 1.0] and summary["accept_len_candidates"] == 3.0
+
+
+def test_base_recall_counts_labels_in_the_candidate_table():
+  """Slot 1's label ranks 1st, slot 2's ranks CANDIDATE_TOPK + 1st (outside)."""
+  k = dl.CANDIDATE_TOPK
+  vocab = k + 8
+  slot1 = jnp.zeros(vocab).at[3].set(5.0)
+  slot2 = -jnp.arange(vocab, dtype=jnp.float32)  # token i ranks i-th
+  base = jnp.stack([slot1, slot2])[None, None]  # [1, 1, 2, V]
+  labels = jnp.asarray([[[3, k]]])
+  _, stats = dl.block_loss(base, base, labels, jnp.asarray([[[True, True]]]),
+                           jnp.ones(2), 0.5)
+  np.testing.assert_array_equal(np.asarray(stats.base_in_topk), [1, 0])
+  _, stats = dl.block_loss(base, base, jnp.asarray([[[3, k - 1]]]),
+                           jnp.asarray([[[True, True]]]), jnp.ones(2), 0.5)
+  np.testing.assert_array_equal(np.asarray(stats.base_in_topk), [1, 1])
+  summary = dl.summarize(stats, np.ones(2), domino=True)
+  assert summary["accept_len_candidates"] == 3.0
 
 
 def test_block_targets_inputs_and_labels():

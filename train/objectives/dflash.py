@@ -14,6 +14,7 @@ from dart_jax.draft.dflash import (PROJECTOR_DOMINO, DFlashConfig, DFlashDrafter
                                    default_target_layer_ids)
 from dart_jax.errors import ConfigError
 from train import dflash_losses
+from train.configs import REQUIRED
 from train.features import FeatureSpec
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,9 @@ def make(config, target, rows=None) -> DFlashDrafter:
   fresh Domino head for ``head.kind=domino``) or fresh."""
   del rows
   dc, domino = config.dflash, config.head.kind == "domino"
+  if dc.init_from == REQUIRED:
+    raise ConfigError("this preset continues a trained drafter: set "
+                      "dflash.init_from=/path/to/drafter (e.g. runs/domino_v2/best)")
   if dc.init_from:
     drafter = dj.load_dflash(dc.init_from, target)
     if drafter.domino and not domino:
@@ -63,10 +67,11 @@ def make(config, target, rows=None) -> DFlashDrafter:
 
 
 def step_options(config, drafter: DFlashDrafter) -> dict:
-  """Slot weights' gamma and Domino's annealing length."""
+  """Slot weights' gamma, Domino's annealing length and base-loss floor."""
   return {"position_gamma": dflash_losses.resolve_gamma(config.loss.position_gamma,
                                                         drafter.config.block_size),
-          "anneal_steps": int(round(config.loss.domino_anneal * config.steps))}
+          "anneal_steps": int(round(config.loss.domino_anneal * config.steps)),
+          "domino_floor": config.loss.domino_floor}
 
 
 def split(drafter: DFlashDrafter, param_dtype) -> tuple[dict, dict]:
@@ -104,14 +109,16 @@ def forward(settings, target_model, params, buffers, batch, key, step, compute):
   return dflash_losses.forward(
       drafter, target_model, batch, key, num_anchors=settings.num_anchors,
       weights=jnp.asarray(position_weights(settings)),
-      lam=dflash_losses.domino_lambda(step, settings.anneal_steps),
+      lam=dflash_losses.domino_lambda(step, settings.anneal_steps,
+                                                      settings.domino_floor),
       attn_impl=settings.attn_impl)
 
 
 def step_metrics(settings, step) -> dict:
   if not settings.head_config.domino:
     return {}
-  return {"domino_lambda": dflash_losses.domino_lambda(step, settings.anneal_steps)}
+  return {"domino_lambda": dflash_losses.domino_lambda(step, settings.anneal_steps,
+                                                      settings.domino_floor)}
 
 
 def summarize(settings, stats) -> dict:
