@@ -236,8 +236,10 @@ class MetricsLog:
     text = (f"[{record['split']}] step {record['step']}: loss {record['loss']:.4f} "
             f"acc {acc} accept_len {record['accept_len']:.3f}")
     if "accept_len_base" in record:
-      text += (f" (base {record['accept_len_base']:.3f}, top-K candidates bound "
-               f"{record['accept_len_candidates']:.3f})")
+      # DART-GRU logs its head's base estimate but has no candidate table.
+      bound = record.get("accept_len_candidates")
+      text += (f" (base {record['accept_len_base']:.3f}" +
+               (f", top-K candidates bound {bound:.3f})" if bound is not None else ")"))
     if "domino_lambda" in record:
       text += f" lambda {record['domino_lambda']:.3f}"
     if "grad_norm" in record:
