@@ -166,7 +166,8 @@ class LossSection:
     ``exp(-(k-1)/gamma)``; 0 = by block size (DFlash: 7 for B=16, 5 for 10,
     4 for 8, else (B-1)/2); ``inf`` = uniform.
   domino_anneal: Domino: the loss is ``(1-l)*CE(corrected) + l*CE(base)`` with
-    l decayed linearly 1 -> 0 over this fraction of the steps (0: l = 0).
+    l decayed linearly 1 -> 0 over this fraction of the steps (0: l = 0), but
+    never below ``domino_floor``.
   domino_floor: Domino: l never falls below this. The spec anneals l to 0, which
     stops training the base marginals; DARTree draws its candidate table from
     their top-K, so a floor keeps them useful (issue #20).

@@ -144,7 +144,7 @@ PRESETS.update({
                          eval_fraction=0.0, max_examples=3600, target_features="cached"),
         loss=LossSection(num_anchors=64, domino_anneal=0.0, domino_floor=0.3),
         optim=OptimSection(learning_rate=5e-4, warmup_steps=20, end_lr_ratio=0.1),
-        steps=800, batch_size=4, log_every=10, eval_every=100, eval_batches=8,
+        steps=1000, batch_size=4, log_every=10, eval_every=100, eval_batches=8,
         checkpoint_every=50,
     ),
     # Qwen3-8B (36 layers) on a TPU pod slice, the released drafters' shape: 5

@@ -109,16 +109,19 @@ def forward(settings, target_model, params, buffers, batch, key, step, compute):
   return dflash_losses.forward(
       drafter, target_model, batch, key, num_anchors=settings.num_anchors,
       weights=jnp.asarray(position_weights(settings)),
-      lam=dflash_losses.domino_lambda(step, settings.anneal_steps,
-                                                      settings.domino_floor),
+      lam=_domino_lambda(settings, step),
       attn_impl=settings.attn_impl)
 
 
 def step_metrics(settings, step) -> dict:
   if not settings.head_config.domino:
     return {}
-  return {"domino_lambda": dflash_losses.domino_lambda(step, settings.anneal_steps,
-                                                      settings.domino_floor)}
+  return {"domino_lambda": _domino_lambda(settings, step)}
+
+
+def _domino_lambda(settings, step) -> jax.Array:
+  """Domino's base-loss weight at ``step`` (annealed, floored)."""
+  return dflash_losses.domino_lambda(step, settings.anneal_steps, settings.domino_floor)
 
 
 def summarize(settings, stats) -> dict:
