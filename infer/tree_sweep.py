@@ -1,12 +1,12 @@
 """Tree size against plain decoding on development prompts (never benchmark prompts).
 
   python -m infer.tree_sweep --nodes 3,5,8 [--prompts 32] [--max-new-tokens 96]
-  python -m infer.tree_sweep --dartree 8:4:8,12:4:8 [--domino DIR] [--prompts 32]
+  python -m infer.tree_sweep --dartree 8:4:8,12:4:8[:-0.5] [--domino DIR] [--prompts 32]
 
 For each tree of N nodes (DART: top-k = beam width = N, the shipped head and
 N-gram of the embedded model unless ``--draft``/``--ngram`` are given), or each
-DARTree tree ``budget:width:topk`` (``DARTreeConfig``'s budget,
-supertree_width, topk; the shipped Domino drafter unless ``--domino``) and the
+DARTree tree ``budget:width:topk[:depth_bonus]`` (``DARTreeConfig``'s budget,
+supertree_width, topk and depth_bonus; the shipped Domino drafter unless ``--domino``) and the
 drafter's own chain, and for plain decoding: greedy decoding of ``--prompts``
 first user messages of the v2 held-out split (evenly spaced records), the
 methods alternating per prompt (the order reversed every other prompt) in one
@@ -51,25 +51,39 @@ def dartree_trees(drafter, trees: list[DARTreeConfig]) -> dict[str, dict]:
   """``generate`` options of the drafter's chain ("domino-chain" with a
   correction head, else "dflash-chain": the baseline a tree must beat) and of
   DARTree (pruned) with each tree, by name ("dartree B:W:K" = budget,
-  supertree width, top-K)."""
+  supertree width, top-K, then ":bonus" where the depth bonus is not the
+  default)."""
   chain = "domino-chain" if drafter.domino else "dflash-chain"
   return {chain: dict(draft=drafter, tree=chain)} | {
-      f"dartree {t.budget}:{t.supertree_width}:{t.topk}":
-      dict(draft=drafter, tree="dartree", tree_config=t) for t in trees}
+      f"dartree {_tree_name(t)}": dict(draft=drafter, tree="dartree", tree_config=t)
+      for t in trees}
+
+
+def _tree_name(tree: DARTreeConfig) -> str:
+  name = f"{tree.budget}:{tree.supertree_width}:{tree.topk}"
+  if tree.depth_bonus != DARTreeConfig().depth_bonus:
+    name += f":{tree.depth_bonus:g}"
+  return name
 
 
 def parse_dartree_trees(spec: str, base: DARTreeConfig | None = None
                         ) -> list[DARTreeConfig]:
-  """``"8:4:8,12:4:8"`` -> DARTreeConfigs (budget:width:topk over ``base``)."""
+  """``"8:4:8,12:4:8:-0.5"`` -> DARTreeConfigs (budget:width:topk, then an
+  optional depth bonus, over ``base``)."""
   trees = []
   for item in spec.split(","):
+    fields = item.split(":")
     try:
-      budget, width, topk = (int(v) for v in item.split(":"))
+      if len(fields) not in (3, 4):
+        raise ValueError
+      budget, width, topk = (int(v) for v in fields[:3])
+      bonus = float(fields[3]) if len(fields) == 4 else None
     except ValueError:
-      raise dj.InputError(f"--dartree takes budget:width:topk items, e.g. 8:4:8, got "
-                          f"{item!r}") from None
-    trees.append(dataclasses.replace(base or DARTreeConfig(), budget=budget,
-                                     supertree_width=width, topk=topk))
+      raise dj.InputError(f"--dartree takes budget:width:topk[:depth_bonus] items, e.g. "
+                          f"8:4:8 or 8:4:8:-0.5, got {item!r}") from None
+    tree = dataclasses.replace(base or DARTreeConfig(), budget=budget,
+                               supertree_width=width, topk=topk)
+    trees.append(tree if bonus is None else dataclasses.replace(tree, depth_bonus=bonus))
   return trees
 
 
@@ -114,7 +128,8 @@ def main(argv=None) -> int:
   p.add_argument("--draft", default=None, help="a DART head directory (default: shipped)")
   p.add_argument("--ngram", default=None, help="an N-gram trie (default: shipped)")
   p.add_argument("--dartree", default=None, metavar="B:W:K,...",
-                 help="sweep DARTree (pruned) trees instead: budget:width:topk items")
+                 help="sweep DARTree (pruned) trees instead: budget:width:topk items, "
+                 "each with an optional :depth_bonus (<= 0)")
   p.add_argument("--domino", default=None,
                  help="a Domino drafter directory for --dartree (default: shipped)")
   args = p.parse_args(argv)

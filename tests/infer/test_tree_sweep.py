@@ -6,6 +6,7 @@ import lzma
 import pytest
 
 import dart_jax as dj
+from dart_jax.tree import DARTreeConfig
 from infer import tree_sweep
 from tests.infer import bench_helpers
 from train.configs import SMOLLM2_V2_HELDOUT, SMOLLM2_V2_TRAIN
@@ -44,13 +45,16 @@ def test_sweep_is_lossless_and_reports_every_method():
 def test_dartree_sweep_is_lossless_and_parses_its_trees():
   target, _ = bench_helpers.tiny()
   drafter = dj.DFlashDrafter.init(target, block_size=4, domino=True, seed=0)
-  trees = tree_sweep.parse_dartree_trees("3:2:4,6:3:4")
-  assert [(t.budget, t.supertree_width, t.topk) for t in trees] == [(3, 2, 4), (6, 3, 4)]
+  trees = tree_sweep.parse_dartree_trees("3:2:4,6:3:4:-1")
+  assert [(t.budget, t.supertree_width, t.topk, t.depth_bonus) for t in trees] == [
+      (3, 2, 4, DARTreeConfig().depth_bonus), (6, 3, 4, -1.0)]
   prompts = [[1, 5, 9, 2, 7, 3], [4, 4, 8, 1, 6, 2, 9]]
   runs = tree_sweep.sweep(target, tree_sweep.dartree_trees(drafter, trees), prompts,
                           max_new_tokens=8)
-  assert list(runs) == ["ar", "domino-chain", "dartree 3:2:4", "dartree 6:3:4"]
+  assert list(runs) == ["ar", "domino-chain", "dartree 3:2:4", "dartree 6:3:4:-1"]
   for run in runs.values():
     assert run["tokens"] == runs["ar"]["tokens"]  # greedy DARTree == greedy AR
   with pytest.raises(dj.InputError, match="budget:width:topk"):
     tree_sweep.parse_dartree_trees("8:4")
+  with pytest.raises(dj.InputError, match="depth_bonus"):
+    tree_sweep.parse_dartree_trees("8:4:8:-0.5:1")
