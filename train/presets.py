@@ -163,6 +163,16 @@ PRESETS.update({
         checkpoint_every=1000,
     ),
 })
+# The third stage (the drafter shipped since session 29): continues
+# smollm2_domino_v3's best drafter (dflash.init_from=runs/domino_v3/best) on
+# twice the conversations (the first 7,200 greedy ones; the first 3,600 are
+# v3's, so data.features_dir=runs/domino_v3/features reuses their taps) with the
+# base-loss floor lowered to 0.2: the corrected logits get more of the loss
+# while the candidate table keeps its top-32 recall.
+PRESETS["smollm2_domino_v4"] = dataclasses.replace(
+    PRESETS["smollm2_domino_v3"],
+    data=dataclasses.replace(PRESETS["smollm2_domino_v3"].data, max_examples=7200),
+    loss=dataclasses.replace(PRESETS["smollm2_domino_v3"].loss, domino_floor=0.2))
 PRESETS["qwen3_8b_domino"] = dataclasses.replace(
     PRESETS["qwen3_8b_dflash"], head=HeadSection(kind="domino"),
     dflash=DFlashSection(block_size=16, num_layers=5, emb_dim=256, gru_hidden_dim=1024))

@@ -49,6 +49,17 @@ def test_dflash_presets_and_config_errors():
       overrides.load_config("tiny_domino", [override])
 
 
+def test_smollm2_domino_stages_continue_each_other():
+  v3, v4 = (overrides.load_config(f"smollm2_domino_v{i}") for i in (3, 4))
+  assert v3.dflash == v4.dflash and v4.dflash.init_from == configs.REQUIRED
+  # v4's rows start with v3's (same files, order and packing), so v3's cached taps serve them.
+  assert (v4.data.train, v4.data.max_len, v4.data.pack) == (v3.data.train, v3.data.max_len,
+                                                           v3.data.pack)
+  assert v4.data.max_examples == 2 * v3.data.max_examples
+  assert v4.data.eval == v3.data.eval
+  assert 0 < v4.loss.domino_floor < v3.loss.domino_floor
+
+
 def test_overrides_are_parsed_with_the_field_types():
   c = overrides.load_config("tiny", [
       "optim.learning_rate=1e-3", "steps=7", "progress=false", "data.train=a.jsonl,b.jsonl",
