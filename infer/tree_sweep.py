@@ -6,8 +6,8 @@
 For each tree of N nodes (DART: top-k = beam width = N, the shipped head and
 N-gram of the embedded model unless ``--draft``/``--ngram`` are given), or each
 DARTree tree ``budget:width:topk[:depth_bonus]`` (``DARTreeConfig``'s budget,
-supertree_width, topk and depth_bonus; the shipped Domino drafter unless ``--domino``) and the
-drafter's own chain, and for plain decoding: greedy decoding of ``--prompts``
+supertree_width, topk and depth_bonus; the shipped Domino drafter unless
+``--domino``) and the drafter's own chain, and for plain decoding: greedy decoding of ``--prompts``
 first user messages of the v2 held-out split (evenly spaced records), the
 methods alternating per prompt (the order reversed every other prompt) in one
 process so that drift on a shared machine hits all alike. Prints per method the median tokens/s, the median of
