@@ -3,17 +3,17 @@
   python -m infer.tree_sweep --nodes 3,5,8 [--prompts 32] [--max-new-tokens 96]
   python -m infer.tree_sweep --dartree 8:4:8,12:4:8[:-0.5] [--domino DIR] [--prompts 32]
 
-For each tree of N nodes (DART: top-k = beam width = N, the shipped head and
-N-gram of the embedded model unless ``--draft``/``--ngram`` are given), or each
-DARTree tree ``budget:width:topk[:depth_bonus]`` (``DARTreeConfig``'s budget,
+For each tree of N nodes (DART: top-k = beam width = N, the shipped head and N-gram
+of the embedded model unless ``--draft``/``--ngram`` are given), or each DARTree
+tree ``budget:width:topk[:depth_bonus]`` (``DARTreeConfig``'s budget,
 supertree_width, topk and depth_bonus; the shipped Domino drafter unless
-``--domino``) and the drafter's own chain, and for plain decoding: greedy decoding of ``--prompts``
-first user messages of the v2 held-out split (evenly spaced records), the
-methods alternating per prompt (the order reversed every other prompt) in one
-process so that drift on a shared machine hits all alike. Prints per method the median tokens/s, the median of
-the per-prompt ratios to plain decoding, tokens per round, and how many outputs
-equal plain decoding's. This is how the shipped trees were chosen
-(``dart_jax/assets/smollm2_135m/README.md``).
+``--domino``) and the drafter's own chain, and for plain decoding: greedy decoding
+of ``--prompts`` first user messages of the v2 held-out split (evenly spaced
+records), the methods alternating per prompt (the order reversed every other prompt)
+in one process so that drift on a shared machine hits all alike. Prints per method
+the median tokens/s, the median of the per-prompt ratios to plain decoding, tokens
+per round, and how many outputs equal plain decoding's. This is how the shipped
+trees were chosen (``dart_jax/assets/smollm2_135m/README.md``).
 """
 
 import argparse
