@@ -123,7 +123,9 @@ class DataSection:
   eval: held-out JSONL files; empty = hold out ``eval_fraction`` of ``train``.
   max_len: tokens per row; longer conversations are truncated.
   pack: pack several conversations per row (segment-isolated attention).
-  max_examples: use only the first N records (0 = all).
+  max_examples: use only the first N records in file order (0 = all). The
+    bundled v2 files are in the regeneration plan's order, by prompt length,
+    so their first N records are the shortest prompts, not a sample.
   cache: cache tokenized rows under ``WORKDIR/data_cache``.
   target_features: "online" runs the frozen target in every step; "cached"
     runs it once per training row and stores what the loss reads under
