@@ -19,6 +19,10 @@
    that is what ``matmul`` runs wherever the kernel does not (before session 15 it was
    the ``split3`` bf16 dot, 2-3x slower there). Likewise section 1's bf16 forms
    run through the kernel or widened weights on such a CPU.
+5. ``--layout-ab``: the same for the ``fast`` mode's two weight layouts on a CPU
+   where the kernel's panel form runs (``precision.weight_layout``): panels
+   ``[out / 8, in, 8]`` against ``[out, in]`` rows, two targets in one process,
+   alternating.
 """
 
 import argparse
@@ -97,8 +101,30 @@ def _alternating_kernel_settings(rounds: int):
         yield setting
 
 
-def kernel_ab(reps: int, rounds: int = 2, sizes=(1, 2, 4, 8, 16, 32, 64),
-              modes=MODES) -> dict:
+AB_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def _curve_and_rate(target, sizes, reps: int) -> tuple[dict, float]:
+  """(verify seconds per T, median AR tokens/s on ``AR_PROMPTS``) of one target."""
+  curve = tree_budget.measure_verify_costs(target, sizes, reps=reps)
+  rates = []
+  for prompt in AR_PROMPTS:
+    for timed in (False, True):  # the first run compiles
+      out = dj.generate(target, prompt, max_new_tokens=64, eos_token_ids=())
+      if timed:
+        rates.append(out.stats.tokens_per_s)
+  return curve, statistics.median(rates)
+
+
+def _medians(runs: dict, sizes) -> dict:
+  """{setting: [(curve, rate), ...]} -> {setting: {"verify_ms", "ar_tokens_per_s"}}."""
+  return {setting: {
+      "verify_ms": {t: 1e3 * statistics.median(c[t] for c, _ in got) for t in sizes},
+      "ar_tokens_per_s": statistics.median(r for _, r in got)}
+      for setting, got in runs.items()}
+
+
+def kernel_ab(reps: int, rounds: int = 2, sizes=AB_SIZES, modes=MODES) -> dict:
   """{mode: {"on"|"off": {"verify_ms": {T: ms}, "ar_tokens_per_s": float}}}: the
   CPU kernel on and off, alternating ``rounds`` times; medians over rounds."""
   targets = {mode: dj.load_target(dtype=mode) for mode in modes}
@@ -106,39 +132,61 @@ def kernel_ab(reps: int, rounds: int = 2, sizes=(1, 2, 4, 8, 16, 32, 64),
   for setting in _alternating_kernel_settings(rounds):
     for mode, target in targets.items():
       jax.clear_caches()
-      curve = tree_budget.measure_verify_costs(target, sizes, reps=reps)
-      rates = []
-      for prompt in AR_PROMPTS:
-        for timed in (False, True):  # the first run compiles
-          out = dj.generate(target, prompt, max_new_tokens=64, eos_token_ids=())
-          if timed:
-            rates.append(out.stats.tokens_per_s)
-      runs[mode][setting].append((curve, statistics.median(rates)))
-  return {mode: {setting: {
-      "verify_ms": {t: 1e3 * statistics.median(c[t] for c, _ in got) for t in sizes},
-      "ar_tokens_per_s": statistics.median(r for _, r in got)}
-      for setting, got in by_setting.items()} for mode, by_setting in runs.items()}
+      runs[mode][setting].append(_curve_and_rate(target, sizes, reps))
+  return {mode: _medians(by_setting, sizes) for mode, by_setting in runs.items()}
+
+
+def layout_ab(reps: int, rounds: int = 2, sizes=AB_SIZES) -> dict:
+  """{"fast": {"panels"|"rows": {"verify_ms": {T: ms}, "ar_tokens_per_s": float}}}:
+  the fast mode with its dense weights as panels and as ``[out, in]`` rows, two
+  targets alternating ``rounds`` times in one process; medians over rounds."""
+  targets = {"panels": dj.load_target(dtype="fast")}
+  with precision.panel_weights(False):
+    targets["rows"] = dj.load_target(dtype="fast")
+  runs = {layout: [] for layout in targets}
+  for rnd in range(rounds):
+    for layout in (("panels", "rows") if rnd % 2 == 0 else ("rows", "panels")):
+      runs[layout].append(_curve_and_rate(targets[layout], sizes, reps))
+  return {"fast": _medians(runs, sizes)}
+
+
+def _batched_rate(target, batch: int, new_tokens: int) -> float:
+  """New tokens/s of plain decoding of ``batch`` chat prompts, prefill included
+  (as in regeneration); a short untimed run compiles first."""
+  prompts = [f"Write a short note about topic number {i}: rivers, code, or music."
+             for i in range(batch)]
+  dj.generate(target, prompts, max_new_tokens=8, eos_token_ids=())
+  out = dj.generate(target, prompts, max_new_tokens=new_tokens, eos_token_ids=())
+  return sum(len(t) for t in out.tokens) / out.stats.total_s
 
 
 def batched_ab(batch: int, new_tokens: int = 48, rounds: int = 2) -> dict:
-  """{"on"|"off": median new tokens/s}: plain decoding of ``batch`` chat prompts
-  (prefill included, as in regeneration) in the default mode, the CPU kernel on
-  and off alternating."""
+  """{"on"|"off": median new tokens/s}: batched plain decoding in the default
+  mode, the CPU kernel on and off alternating."""
   target = dj.load_target()
-  prompts = [f"Write a short note about topic number {i}: rivers, code, or music."
-             for i in range(batch)]
   rates = {"on": [], "off": []}
   for setting in _alternating_kernel_settings(rounds):
     jax.clear_caches()
-    dj.generate(target, prompts, max_new_tokens=8, eos_token_ids=())  # compiles
-    out = dj.generate(target, prompts, max_new_tokens=new_tokens, eos_token_ids=())
-    rates[setting].append(sum(len(t) for t in out.tokens) / out.stats.total_s)
+    rates[setting].append(_batched_rate(target, batch, new_tokens))
   return {setting: statistics.median(r) for setting, r in rates.items()}
 
 
-def kernel_report(ab: dict) -> str:
-  sizes = list(next(iter(ab.values()))["on"]["verify_ms"])
-  lines = ["CPU kernel on/off: target pass ms  T " + "  ".join(f"{t:>6}" for t in sizes)
+def batched_layout_ab(batch: int, new_tokens: int = 48, rounds: int = 2) -> dict:
+  """{"panels"|"rows": median new tokens/s}: batched plain decoding in the fast
+  mode with each weight layout, alternating."""
+  targets = {"panels": dj.load_target(dtype="fast")}
+  with precision.panel_weights(False):
+    targets["rows"] = dj.load_target(dtype="fast")
+  rates = {layout: [] for layout in targets}
+  for rnd in range(rounds):
+    for layout in (("panels", "rows") if rnd % 2 == 0 else ("rows", "panels")):
+      rates[layout].append(_batched_rate(targets[layout], batch, new_tokens))
+  return {layout: statistics.median(r) for layout, r in rates.items()}
+
+
+def kernel_report(ab: dict, title: str = "CPU kernel on/off") -> str:
+  sizes = list(next(iter(next(iter(ab.values())).values()))["verify_ms"])
+  lines = [f"{title}: target pass ms  T " + "  ".join(f"{t:>6}" for t in sizes)
            + "   AR tok/s"]
   for mode, by_setting in ab.items():
     for setting, got in by_setting.items():
@@ -179,11 +227,29 @@ def main(argv=None) -> int:
                  help="dots only (skip the embedded model's verify curves)")
   p.add_argument("--kernel-ab", action="store_true",
                  help="only the verify curves and AR rates with the CPU kernel on vs off")
+  p.add_argument("--layout-ab", action="store_true",
+                 help="only the fast mode's verify curve and AR rate with panel weights "
+                      "vs [out, in] rows")
   p.add_argument("--batched-ab", type=int, default=0, metavar="B",
-                 help="with --kernel-ab: also plain decoding of B prompts at once")
+                 help="with --kernel-ab / --layout-ab: also plain decoding of B prompts "
+                      "at once")
   p.add_argument("--modes", default=",".join(MODES),
                  help="with --kernel-ab: the modes to time (default: float32,fast)")
   args = p.parse_args(argv)
+  if args.layout_ab:
+    if not precision.panel_weights_active():
+      p.error("--layout-ab: the kernel's panel form does not run here (needs the CPU "
+              "kernel without AMX; DART_JAX_CPU_PANELS=0 turns it off)")
+    ab = layout_ab(max(3, args.reps // 2))
+    print(kernel_report(ab, "weights as panels / rows"))
+    if args.batched_ab:
+      ab["batched"] = {"batch": args.batched_ab, **batched_layout_ab(args.batched_ab)}
+      print(f"batch {args.batched_ab} plain decoding, new tokens/s: panels "
+            f"{ab['batched']['panels']:.1f}, rows {ab['batched']['rows']:.1f}")
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump({"layout_ab": ab, "devices": [str(d) for d in jax.devices()]}, f, indent=1)
+    return 0
   if args.kernel_ab:
     if not precision.cpu_kernel_active():
       p.error("--kernel-ab: the CPU kernel does not run here (kernels.cpu_matmul)")

@@ -4,7 +4,9 @@ Checkpoints name tensors the PyTorch way (``model.layers.0.mlp.up_proj.weight``)
 and store linear weights as [out, in]; NNX kernels are [in, out]. Every leaf
 whose NNX name ends in ``kernel`` has its last two axes swapped on the way in and
 out (stacked expert kernels are [E, in, out]); a ``weight`` leaf (the fast modes'
-layout, ``layers.Dense``) is [..., out, in] already.
+layout, ``layers.Dense``) is [..., out, in] already; a ``panels`` leaf (the
+``fast`` mode on CPUs where the kernel's panel form runs) is
+``kernels.cpu_matmul.to_panels`` of [out, in].
 """
 
 import re
@@ -16,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from dart_jax.errors import CheckpointError
+from kernels import cpu_matmul
 
 NameRules = Sequence[tuple[str, str]]
 
@@ -37,6 +40,18 @@ def renamer(rules: NameRules) -> Callable[[str], str]:
 
 def _is_kernel(path: str) -> bool:
   return path.rsplit("/", 1)[-1].endswith("kernel")
+
+
+def _is_panels(path: str) -> bool:
+  return path.rsplit("/", 1)[-1] == "panels"
+
+
+def _panels_shape(shape: tuple) -> tuple:
+  """[..., out, in] -> the shape ``to_panels`` gives it (out % 8 == 0 is checked)."""
+  *lead, out, k = shape
+  if out % cpu_matmul.PANEL:
+    return tuple(shape)  # cannot match a panels leaf; the shape check reports it
+  return (*lead, out // cpu_matmul.PANEL, k, cpu_matmul.PANEL)
 
 
 def _flip(array: np.ndarray) -> np.ndarray:
@@ -77,16 +92,26 @@ def state_from_tensors(make_module: Callable[[], nnx.Module],
     if sharding_of is None:
       tensor = np.asarray(tensor)
     flip = _is_kernel(key) and len(tensor.shape) >= 2
+    panels = _is_panels(key) and len(tensor.shape) >= 2
     shape = tuple(tensor.shape[:-2]) + tuple(tensor.shape[-2:][::-1]) if flip else tuple(
         tensor.shape)
+    if panels:
+      shape = _panels_shape(shape)
     if shape != tuple(var.shape):
       want = tuple(var.shape)
       if _is_kernel(key):
         want = want[:-2] + want[-2:][::-1]
+      if _is_panels(key):
+        want = tuple(cpu_matmul.from_panels(np.zeros(want, np.int8)).shape)
       raise CheckpointError(f"{source}: tensor {name} has shape {tuple(tensor.shape)}, but "
                             f"the config expects {want}; config.json and the weights "
                             "disagree")
-    if sharding_of is None:
+    if panels:  # packed whole: only single-device targets use panels
+      value = jnp.asarray(np.ascontiguousarray(cpu_matmul.to_panels(np.asarray(tensor))),
+                          dtype=var.dtype)
+      if sharding_of is not None:
+        value = jax.device_put(value, sharding_of(key, shape))
+    elif sharding_of is None:
       value = jnp.asarray(_flip(tensor) if flip else tensor, dtype=var.dtype)
     else:
       value = jax.make_array_from_callback(
@@ -105,5 +130,7 @@ def tensors_from_state(state, name_of: Callable[[str], str]) -> dict[str, np.nda
   for path, var in nnx.to_flat_state(state):
     key = state_path(path)
     array = np.asarray(var[...])
+    if _is_panels(key):
+      array = cpu_matmul.from_panels(array)
     out[name_of(key)] = np.ascontiguousarray(_flip(array) if _is_kernel(key) else array)
   return out

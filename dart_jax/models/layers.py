@@ -9,6 +9,7 @@ from flax import nnx
 
 from dart_jax.models import precision as precision_lib
 from dart_jax.models.precision import Precision
+from kernels import cpu_matmul
 
 
 class RMSNorm(nnx.Module):
@@ -34,22 +35,26 @@ def normal_init(stddev: float):
 class Dense(nnx.Module):
   """``x @ W (+ bias)`` through ``precision.matmul``.
 
-  The matrix is ``kernel [in, out]``, or ``weight [out, in]`` when
-  ``precision.transposed_weights`` (the fast modes: XLA:CPU's bf16 dots are
-  faster on that layout), stored in ``precision.weight_dtype``; the bias and
-  the output are in ``precision.dtype``. Checkpoint I/O transposes ``kernel``
-  leaves only (``dart_jax.models.checkpoint``).
+  The matrix is stored as ``precision.weight_layout`` says: ``kernel [in, out]``
+  (the uniform modes), ``weight [out, in]`` (the fast modes: XLA:CPU's bf16 dots
+  are faster on that layout) or ``panels [out / 8, in, 8]`` (the ``fast`` mode
+  where the CPU kernel's panel form runs), in ``precision.weight_dtype``; the
+  bias and the output are in ``precision.dtype``. Checkpoint I/O converts
+  ``kernel`` and ``panels`` leaves (``dart_jax.models.checkpoint``).
   """
 
   def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs,
                precision: Precision | Any = jnp.float32, use_bias: bool = False,
                stddev: float = 0.02):
     self.precision = precision_lib.resolve(precision)
-    self.transposed = self.precision.transposed_weights
-    # Drawn as [in, out] in either layout: the same seed gives the same layer.
+    self.layout = precision_lib.weight_layout(self.precision, out_features)
+    self.transposed = self.layout != "kernel"
+    # Drawn as [in, out] in every layout: the same seed gives the same layer.
     matrix = normal_init(stddev)(rngs.params(), (in_features, out_features),
                                  self.precision.weight_dtype)
-    if self.transposed:
+    if self.layout == "panels":
+      self.panels = nnx.Param(cpu_matmul.to_panels(matrix.T))
+    elif self.transposed:
       self.weight = nnx.Param(matrix.T)
     else:
       self.kernel = nnx.Param(matrix)
@@ -57,14 +62,22 @@ class Dense(nnx.Module):
       self.bias = nnx.Param(jnp.zeros((out_features,), self.precision.dtype))
     self.use_bias = use_bias
 
-  def matrix(self) -> jax.Array:
-    """The stored matrix: ``weight [out, in]`` or ``kernel [in, out]``."""
+  def stored(self) -> jax.Array:
+    """The matrix as stored (``kernel``, ``weight`` or ``panels``)."""
+    if self.layout == "panels":
+      return self.panels[...]
     return self.weight[...] if self.transposed else self.kernel[...]
+
+  def matrix(self) -> jax.Array:
+    """The matrix as ``weight [out, in]`` (``transposed``) or ``kernel [in, out]``."""
+    stored = self.stored()
+    return cpu_matmul.from_panels(stored) if self.layout == "panels" else stored
 
   def apply(self, x: jax.Array, precision: Precision) -> jax.Array:
     """The layer's matmul in another module's mode (a drafter reading a target
     LM head); no bias. x: [..., in] -> [..., out]."""
-    return precision_lib.matmul(x, self.matrix(), precision, transposed=self.transposed)
+    return precision_lib.matmul(x, self.stored(), precision, transposed=self.transposed,
+                                panels=self.layout == "panels")
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """x: [..., in] -> [..., out]."""

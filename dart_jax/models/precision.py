@@ -33,7 +33,9 @@ AVX512-BF16 alone, as on AMD Zen 4) XLA:CPU has no fast bf16 path and its
 float32 dot grows steeply from one row to two; the kernel's AVX2 + FMA loop does
 float32 math on the stored weights. With AMX-BF16 the kernel runs bf16 weights
 on the tile unit (the split3 parts as tile columns), faster at those sizes than
-XLA's own AMX dot. Longer calls (prefill
+XLA's own AMX dot. Without AMX the ``fast`` mode stores its dense matrices as
+panels ``[out / 8, in, 8]`` for the kernel's panel form (``weight_layout``),
+which makes tree-sized calls far cheaper there. Longer calls (prefill
 of long prompts, training features) widen bf16 weights to float32 and run XLA's
 float32 dot, which is as fast there (``_widens_weights``); the ``rows`` form
 keeps XLA's bf16 dot on a CPU with AVX512-BF16, where it is faster.
@@ -41,6 +43,7 @@ keeps XLA's bf16 dot on a CPU with AVX512-BF16, where it is faster.
 
 import contextlib
 import dataclasses
+import os
 from typing import Any, Iterator
 
 import jax
@@ -145,6 +148,61 @@ def cpu_kernel(enabled: bool) -> Iterator[None]:
     _kernel_switch.pop()
 
 
+PANELS_ENV_SWITCH = "DART_JAX_CPU_PANELS"
+_panel_switch: list[bool] = []  # innermost ``panel_weights(...)`` setting, if any
+
+
+def panel_weights_active() -> bool:
+  """True where ``fast``-mode dense layers built now store their matrix as panels
+  (``weight_layout``): the CPU kernel runs and takes bf16 weights on its AVX2
+  path (no AMX: the tile path reads ``[out, in]``), on a single device (sharded
+  loading reads each device's slices of the ``[out, in]`` tensors, and the
+  sharding rules split that layout). ``DART_JAX_CPU_PANELS=0`` or
+  ``panel_weights(False)`` keep ``[out, in]``."""
+  if _panel_switch and not _panel_switch[-1]:
+    return False
+  if os.environ.get(PANELS_ENV_SWITCH, "1").lower() in ("0", "false", "off"):
+    return False
+  return cpu_kernel_active() and not cpu_matmul.amx_active() and jax.device_count() == 1
+
+
+@contextlib.contextmanager
+def panel_weights(enabled: bool) -> Iterator[None]:
+  """Within the block, dense layers built anew use the panel layout only if
+  ``enabled`` (and ``panel_weights_active()``). Sharded targets are built with
+  it off; benchmarks use it to compare the two layouts in one process."""
+  _panel_switch.append(enabled)
+  try:
+    yield
+  finally:
+    _panel_switch.pop()
+
+
+WEIGHT_LAYOUTS = ("kernel", "weight", "panels")
+
+
+def weight_layout(precision: Precision, out_features: int) -> str:
+  """How a dense layer of ``out_features`` outputs stores its matrix in ``precision``.
+
+  "kernel": ``kernel [in, out]`` (the uniform modes); "weight": ``weight [out, in]``
+  (``precision.transposed_weights``); "panels": ``panels [out / 8, in, 8]``, bf16,
+  for the ``fast`` mode (the target's exact mode) where ``panel_weights_active()``.
+
+  Why panels: with ``[out, in]`` rows the CPU kernel's tree-sized calls are bound
+  by their FMAs (a dot per output, an x load per FMA, a lane sum per output); the
+  panel form broadcasts x against 8 outputs per FMA. A 7-token pass of the
+  embedded model (2-core Zen 3, one process alternating) fell from 36.0 to 27.9
+  ms, a one-token pass from 16.8 to 16.2 ms (``kernels/README.md``). Drafters
+  (``fast-rows``) and MoE experts keep ``[out, in]``.
+  """
+  if not precision.transposed_weights:
+    return "kernel"
+  if (precision.dot == "split3" and jnp.dtype(precision.weight_dtype) == jnp.bfloat16
+      and out_features % cpu_matmul.PANEL == 0 and panel_weights_active()):
+    return "panels"
+  return "weight"
+
+
 def default() -> Precision:
   """``bfloat16`` on TPU/GPU. On CPU ``fast`` (bf16 weights: half the bytes to
   read), except on a CPU that has neither a bf16 matrix unit nor the AVX2 kernel,
@@ -244,22 +302,24 @@ def _widens_weights(w: jax.Array, precision: Precision) -> bool:
 
 
 def matmul(x: jax.Array, w: jax.Array, precision: Precision, *,
-           transposed: bool = False) -> jax.Array:
+           transposed: bool = False, panels: bool = False) -> jax.Array:
   """``x @ w`` as ``precision`` says; the library's only dense-layer dot.
 
   Args:
     x: [..., K] activations.
-    w: [K, N] kernel, or [N, K] with ``transposed`` (an embedding table used as
-      a tied LM head).
+    w: [K, N] kernel, [N, K] with ``transposed`` (also an embedding table used
+      as a tied LM head), or [N / 8, K, 8] with ``panels`` (``weight_layout``).
     precision: the calling module's mode.
   Returns:
     [..., N] in ``precision.dtype``.
   """
-  contract = ((1,), (1,)) if transposed else ((1,), (0,))
+  contract = ((1,), (1,)) if transposed or panels else ((1,), (0,))
   lead = x.shape[:-1]
   rows = x.reshape(-1, x.shape[-1])
   m = rows.shape[0]
-  if _uses_cpu_kernel(x, w, precision, transposed):
+  if panels and _uses_cpu_kernel(x, w, precision, True):
+    out = cpu_matmul.panels_matmul(rows.astype(jnp.float32), w)
+  elif _uses_cpu_kernel(x, w, precision, transposed):
     out = cpu_matmul.rows_matmul(rows.astype(jnp.float32), w)
   elif _widens_weights(w, precision):
     out = jax.lax.dot_general(rows.astype(jnp.float32), w.astype(jnp.float32),
@@ -277,4 +337,5 @@ def matmul(x: jax.Array, w: jax.Array, precision: Precision, *,
       lhs = jnp.concatenate([lhs, lhs], axis=0)
     out = jax.lax.dot_general(lhs, w, (contract, ((), ())),
                               preferred_element_type=jnp.float32)[:m]
+  out = out.reshape(m, -1)  # panels: [M, N / 8, 8] from XLA's dots
   return out.astype(precision.dtype).reshape(*lead, out.shape[-1])

@@ -120,12 +120,13 @@ def _forward(graphdef, params, tokens, positions, cache, tree_mask, *, attend_le
 hf_name = checkpoint.renamer((
     (r"embed_tokens/embedding", "model.embed_tokens.weight"),
     (r"norm/scale", "model.norm.weight"),
-    (r"lm_head/(kernel|weight)", "lm_head.weight"),
+    (r"lm_head/(kernel|weight|panels)", "lm_head.weight"),
+    (r"tied_head/panels", "model.embed_tokens.weight"),  # a packed copy (panels)
     # MoE layers, in the stacked names ``moe_tensors`` gives any released layout.
-    (r"layers/(\d+)/mlp/router/(kernel|weight)", r"model.layers.\1.mlp.gate.weight"),
-    (r"layers/(\d+)/mlp/experts/(gate_proj|up_proj|down_proj)/(kernel|weight)",
+    (r"layers/(\d+)/mlp/router/(kernel|weight|panels)", r"model.layers.\1.mlp.gate.weight"),
+    (r"layers/(\d+)/mlp/experts/(gate_proj|up_proj|down_proj)/(kernel|weight|panels)",
      r"model.layers.\1.mlp.experts.\2.weight"),
-    (r"layers/(\d+)/(self_attn|mlp)/(\w+_proj)/(kernel|weight)",
+    (r"layers/(\d+)/(self_attn|mlp)/(\w+_proj)/(kernel|weight|panels)",
      r"model.layers.\1.\2.\3.weight"),
     (r"layers/(\d+)/(self_attn|mlp)/(\w+_proj)/bias", r"model.layers.\1.\2.\3.bias"),
     (r"layers/(\d+)/self_attn/(q_norm|k_norm)/scale", r"model.layers.\1.self_attn.\2.weight"),

@@ -25,6 +25,7 @@ from dart_jax.models import precision as precision_lib
 from dart_jax.models.config import ModelConfig, rope_inv_freq
 from dart_jax.models.moe import MoE
 from dart_jax.models.precision import Precision
+from kernels import cpu_matmul
 from kernels.tree_attention import TOKEN_MAJOR, cache_layout_for, tree_attention
 from kernels.tree_attention import common as attention_common
 from kernels.tree_attention.ops import resolve_impl
@@ -336,6 +337,13 @@ class Transformer(nnx.Module):
     if not config.tie_embeddings:
       self.lm_head = layers.linear(config.hidden_size, config.vocab_size, rngs=rngs,
                                    precision=precision)
+    elif precision_lib.weight_layout(self.precision, config.vocab_size) == "panels":
+      # The tied LM head as panels too: a packed copy of the embedding table
+      # (checkpoints load both from the one tensor), for the kernel's panel form.
+      self.tied_head = layers.Dense(config.hidden_size, config.vocab_size, rngs=nnx.Rngs(0),
+                                    precision=precision)
+      self.tied_head.panels = nnx.Param(
+          cpu_matmul.to_panels(self.embed_tokens.embedding[...]))
     self.inv_freq = tuple(float(f) for f in rope_inv_freq(
         config.head_dim, config.rope_theta, config.rope_scaling))
 
@@ -351,7 +359,9 @@ class Transformer(nnx.Module):
     own); default the target's.
     """
     precision = precision or self.precision
-    if self.config.tie_embeddings:
+    if hasattr(self, "tied_head"):
+      out = self.tied_head.apply(hidden, precision)
+    elif self.config.tie_embeddings:
       out = precision_lib.matmul(hidden, self.embed_tokens.embedding[...], precision,
                                  transposed=True)
     else:

@@ -39,6 +39,9 @@ _TARGETS = {  # weight dtype -> (FFI target name, library symbol)
     jnp.dtype(jnp.float32): ("dart_rows_matmul_f32", "DartRowsMatmulF32"),
     jnp.dtype(jnp.bfloat16): ("dart_rows_matmul_bf16", "DartRowsMatmulBF16"),
 }
+_PANELS_TARGET = ("dart_panels_matmul_bf16", "DartPanelsMatmulBF16")
+PANEL = 8
+"""Output columns per panel of ``panels_matmul``'s weight layout ``[N / PANEL, K, PANEL]``."""
 
 
 @functools.cache
@@ -153,7 +156,7 @@ def available() -> bool:
     return False
   try:
     library = ctypes.cdll.LoadLibrary(str(build(compiler)))
-    for name, symbol in _TARGETS.values():
+    for name, symbol in (*_TARGETS.values(), _PANELS_TARGET):
       jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)),
                                   platform="cpu")
     _enable_amx(library)
@@ -224,6 +227,59 @@ def _rows_matmul_jvp(primals, tangents):
   return rows_matmul(x, w), d_out
 
 
-__all__ = ["rows_matmul", "rows_matmul_reference", "available", "amx_active", "cpu_flags",
+def to_panels(w):
+  """``w [..., N, K]`` (numpy or jax) -> ``[..., N / PANEL, K, PANEL]``, the layout
+  ``panels_matmul`` reads: panel p holds output columns ``PANEL * p ..`` for every k."""
+  *lead, n, k = w.shape
+  if n % PANEL:
+    raise ValueError(f"to_panels: {n} output columns are not a multiple of {PANEL}")
+  return w.reshape(*lead, n // PANEL, PANEL, k).swapaxes(-1, -2)
+
+
+def from_panels(w):
+  """The inverse of ``to_panels``: ``[..., N / PANEL, K, PANEL]`` -> ``[..., N, K]``."""
+  *lead, p, k, width = w.shape
+  return w.swapaxes(-1, -2).reshape(*lead, p * width, k)
+
+
+def panels_matmul_reference(x: jax.Array, w: jax.Array) -> jax.Array:
+  """What ``panels_matmul`` computes, as an XLA dot (float32 accumulation).
+
+  x: [M, K] float32; w: [N / PANEL, K, PANEL] -> [M, N] float32.
+  """
+  out = jax.lax.dot_general(x.astype(jnp.float32), w.astype(jnp.float32),
+                            (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  return out.reshape(x.shape[0], -1)
+
+
+@jax.custom_jvp
+def panels_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+  """``x @ from_panels(w).T`` with the FFI kernel's panel form; call only when
+  ``available()``.
+
+  x: [M, K] float32; w: [N / PANEL, K, PANEL] bfloat16 (``to_panels`` of the
+  ``[N, K]`` weights) -> [M, N] float32. Each output is one FMA chain over k in
+  order, whatever M is (bitwise M-invariant, like ``rows_matmul``, but not
+  bitwise equal to it). Derivatives use ``panels_matmul_reference``.
+  """
+  if (x.ndim != 2 or w.ndim != 3 or w.shape[-1] != PANEL or x.shape[1] != w.shape[1]
+      or jnp.dtype(w.dtype) != jnp.dtype(jnp.bfloat16)):
+    raise ValueError(f"panels_matmul: x {x.shape} and w {w.shape} {w.dtype} are not [M, K] "
+                     f"and bfloat16 [N / {PANEL}, K, {PANEL}]")
+  return jax.ffi.ffi_call(_PANELS_TARGET[0],
+                          jax.ShapeDtypeStruct((x.shape[0], w.shape[0] * PANEL), jnp.float32),
+                          vmap_method="sequential")(x, w)
+
+
+@panels_matmul.defjvp
+def _panels_matmul_jvp(primals, tangents):
+  x, w = primals
+  dx, dw = tangents
+  d_out = panels_matmul_reference(dx, w) + panels_matmul_reference(x, dw.astype(jnp.float32))
+  return panels_matmul(x, w), d_out
+
+
+__all__ = ["rows_matmul", "panels_matmul", "panels_matmul_reference", "to_panels",
+           "from_panels", "PANEL", "rows_matmul_reference", "available", "amx_active", "cpu_flags",
            "cpu_supports_kernel", "cpu_supports_amx_path", "cpu_has_bf16_matrix_unit",
            "cpu_has_bf16_dot_instruction", "build"]

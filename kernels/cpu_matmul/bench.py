@@ -4,8 +4,8 @@
 
 For each dense shape of SmolLM2-135M (tied LM head 576 x 49152, MLP up 576 x
 1536, MLP down 1536 x 576, K/V projection 576 x 192) and row count M: XLA's
-float32 dot in both weight layouts, and the kernel on float32 and bf16 ``[N, K]``
-weights. Median ms; the forms alternate within each repetition so that drift on
+float32 dot in both weight layouts, the kernel on float32 and bf16 ``[N, K]``
+weights, and its panel form on bf16 ``[N / 8, K, 8]`` panels. Median ms; the forms alternate within each repetition so that drift on
 a shared machine hits all alike.
 """
 
@@ -32,13 +32,16 @@ def table(rows, reps: int) -> dict:
           lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))))),
       "kernel_f32": (True, jnp.float32, jax.jit(cpu_matmul.rows_matmul)),
       "kernel_bf16": (True, jnp.bfloat16, jax.jit(cpu_matmul.rows_matmul)),
+      "panels_bf16": ("panels", jnp.bfloat16, jax.jit(cpu_matmul.panels_matmul)),
   }
   rng = np.random.default_rng(0)
   out = {}
   for name, (k, n) in SHAPES.items():
     w_nk = rng.standard_normal((n, k)).astype(np.float32) * 0.02
-    weights = {f: jnp.asarray(w_nk if nk else np.ascontiguousarray(w_nk.T), dtype)
-               for f, (nk, dtype, _) in forms.items()}
+    layouts = {True: w_nk, False: np.ascontiguousarray(w_nk.T),
+               "panels": np.ascontiguousarray(cpu_matmul.to_panels(w_nk))}
+    weights = {f: jnp.asarray(layouts[layout], dtype)
+               for f, (layout, dtype, _) in forms.items()}
     out[name] = {}
     for m in rows:
       x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)

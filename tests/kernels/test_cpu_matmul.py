@@ -53,6 +53,60 @@ def test_a_row_is_bitwise_the_same_whatever_the_call_holds(dtype, m, k):
                                   full[start:start + size])
 
 
+
+def _panels_case(m, k, n, seed=0):
+  x, w, exact, magnitude = _case(m, k, n, jnp.bfloat16, seed)
+  return x, cpu_matmul.to_panels(w), exact, magnitude
+
+
+@needs_kernel
+@pytest.mark.parametrize("m,k,n", [(1, 64, 48), (1, 37, 72), (2, 37, 16), (3, 200, 40),
+                                   (4, 96, 24), (7, 200, 56), (8, 576, 192),
+                                   (13, 33, 8), (65, 96, 264)])
+def test_panels_match_float64_to_float32_accuracy(m, k, n):
+  """Shapes cover every tile (1-6 rows, 8 / 4 / 3 / 2 panels), the panels left
+  over when the panel count is not a multiple of the tile's (n = 72, 40, 56, 264),
+  several row tiles reading the widened stash (m > 6), and odd k."""
+  x, w, exact, magnitude = _panels_case(m, k, n)
+  got = np.asarray(jax.jit(cpu_matmul.panels_matmul)(x, w))
+  assert got.shape == (m, n) and got.dtype == np.float32
+  # One FMA chain over k terms of mixed magnitude (bound ~k * 2^-24).
+  assert np.all(np.abs(got - exact) <= k * 2.0 ** -24 * magnitude + 1e-30)
+  np.testing.assert_allclose(got, np.asarray(cpu_matmul.panels_matmul_reference(x, w)),
+                             rtol=1e-5, atol=1e-5 * np.abs(exact).max())
+
+
+@needs_kernel
+@pytest.mark.parametrize("m,k", [(40, 77), (300, 576)])
+def test_panels_give_a_row_the_same_bits_whatever_the_call_holds(m, k):
+  x, w, _, _ = _panels_case(m, k, 72, seed=1)
+  dot = jax.jit(cpu_matmul.panels_matmul)
+  full = np.asarray(dot(x, w))
+  for start, size in ((0, 1), (5, 1), (3, 2), (10, 4), (0, 7), (0, 9), (31, 9), (m - 7, 7)):
+    np.testing.assert_array_equal(np.asarray(dot(x[start:start + size], w)),
+                                  full[start:start + size])
+
+
+def test_panels_round_trip_and_errors():
+  w = np.arange(24 * 5, dtype=np.float32).reshape(24, 5)
+  panels = cpu_matmul.to_panels(w)
+  assert panels.shape == (3, 5, 8) and panels[1, 2, 3] == w[8 + 3, 2]
+  np.testing.assert_array_equal(cpu_matmul.from_panels(panels), w)
+  with pytest.raises(ValueError, match="multiple of 8"):
+    cpu_matmul.to_panels(np.zeros((12, 5)))
+  with pytest.raises(ValueError, match="panels_matmul"):
+    cpu_matmul.panels_matmul(jnp.ones((2, 5)), jnp.asarray(panels, jnp.float32))
+
+
+@needs_kernel
+def test_panels_derivatives_equal_the_reference_dots():
+  x, w, _, _ = _panels_case(5, 24, 16, seed=2)
+  loss = lambda f: (lambda a, b: jnp.sum(jnp.sin(f(a, b))))
+  got = jax.grad(loss(cpu_matmul.panels_matmul), argnums=0)(x, w)
+  want = jax.grad(loss(cpu_matmul.panels_matmul_reference), argnums=0)(x, w)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4,
+                             atol=1e-4 * float(jnp.abs(want).max()))
+
 needs_amx = pytest.mark.skipif(not cpu_matmul.amx_active(),
                                reason="needs a CPU with AMX-BF16 and the tile state granted")
 
@@ -217,5 +271,6 @@ def test_bench_times_every_form(monkeypatch):
   monkeypatch.setattr(bench, "SHAPES", {"tiny": (16, 24)})
   got = bench.table([1, 3], reps=1)["tiny"]
   assert set(got) == {1, 3}
-  assert set(got[1]) == {"xla_f32_kn", "xla_f32_nk", "kernel_f32", "kernel_bf16"}
+  assert set(got[1]) == {"xla_f32_kn", "xla_f32_nk", "kernel_f32", "kernel_bf16",
+                         "panels_bf16"}
   assert all(ms > 0 for row in got.values() for ms in row.values())

@@ -1,6 +1,7 @@
 """The matmul policy: exact bf16 splits, dot forms, modes, and where they apply."""
 
 import argparse
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -118,7 +119,8 @@ def test_fast_target_stores_bf16_weights_and_computes_in_float32():
   target = Target.init(CONFIG, seed=0)
   assert target.precision is FAST and target.dtype == jnp.float32
   dtypes = _dtypes(target.params)
-  kernels = {k: d for k, d in dtypes.items() if "kernel" in k or "embedding" in k}
+  kernels = {k: d for k, d in dtypes.items()
+             if k.endswith(("kernel", "weight", "panels")) or "embedding" in k}
   norms = {k: d for k, d in dtypes.items() if "scale" in k}
   assert kernels and set(kernels.values()) == {jnp.dtype(jnp.bfloat16)}
   assert norms and set(norms.values()) == {jnp.dtype(jnp.float32)}
@@ -136,7 +138,12 @@ def test_fast_target_matches_float32_on_the_same_weights():
   exact = Target(CONFIG, graphdef, params, precision=FLOAT32)
   dense = exact.module().layers[0].mlp.up_proj
   assert not dense.transposed and dense.kernel.shape == (32, 64)
-  assert fast.module().layers[0].mlp.up_proj.weight.shape == (64, 32)
+  fast_dense = fast.module().layers[0].mlp.up_proj
+  if fast_dense.layout == "panels":
+    assert fast_dense.panels.shape == (8, 32, 8)
+  else:
+    assert fast_dense.weight.shape == (64, 32)
+  assert fast_dense.matrix().shape == (64, 32)
   tokens = jnp.asarray(np.random.default_rng(5).integers(0, 97, (2, 12)), jnp.int32)
   want = dj.generate(exact, tokens.tolist(), max_new_tokens=8).tokens
   got = dj.generate(fast, tokens.tolist(), max_new_tokens=8).tokens
@@ -174,6 +181,87 @@ def test_kernel_dots_are_bitwise_the_same_for_one_token_and_a_tree(mode):
   tree = np.asarray(dot(x))
   for b, t in ((0, 0), (1, 5), (1, 32)):
     np.testing.assert_array_equal(np.asarray(dot(x[b:b + 1, t:t + 1]))[0, 0], tree[b, t])
+
+
+@pytest.mark.skipif(not precision.panel_weights_active(),
+                    reason="needs the CPU kernel's panel form (no AMX)")
+def test_fast_targets_store_panels_and_checkpoints_keep_the_hf_layout():
+  """Where the panel form runs, the fast mode's dense layers (and a tied LM head)
+  store ``panels``; checkpoint tensors stay [out, in], and a target built with
+  panels off from them has the same matrices and the same greedy tokens."""
+  config = dataclasses.replace(CONFIG, vocab_size=104, tie_embeddings=True)
+  target = Target.init(config, seed=0)
+  up = target.module().layers[0].mlp.up_proj
+  assert up.layout == "panels" and up.panels.shape == (8, 32, 8)
+  tensors = checkpoint.tensors_from_state(target.params, target_lib.hf_name)
+  assert tensors["model.layers.0.mlp.up_proj.weight"].shape == (64, 32)
+  # The tied LM head is a packed copy of the embedding table, one tensor on disk.
+  embedding = np.asarray(target.module().embed_tokens.embedding[...])
+  np.testing.assert_array_equal(target.module().tied_head.matrix(), embedding)
+  np.testing.assert_array_equal(tensors["model.embed_tokens.weight"], embedding)
+  assert not any("tied_head" in name for name in tensors)
+  np.testing.assert_array_equal(tensors["model.layers.0.mlp.up_proj.weight"],
+                                np.asarray(up.matrix()))
+  with precision.panel_weights(False):
+    graphdef, params = target_lib.params_from_hf(config, tensors, "fast")
+  rows = Target(config, graphdef, params)
+  assert rows.module().layers[0].mlp.up_proj.layout == "weight"
+  assert not hasattr(rows.module(), "tied_head")
+  graphdef, params = target_lib.params_from_hf(config, tensors, "fast")  # panels again
+  np.testing.assert_array_equal(
+      Target(config, graphdef, params).module().tied_head.matrix(), embedding)
+  tokens = np.random.default_rng(5).integers(0, 104, (2, 12)).tolist()
+  assert (dj.generate(rows, tokens, max_new_tokens=8).tokens
+          == dj.generate(target, tokens, max_new_tokens=8).tokens)
+  # A tensor of the wrong shape is named, in the checkpoint's [out, in] terms.
+  tensors["model.layers.0.mlp.up_proj.weight"] = np.zeros((64, 31), np.float32)
+  with pytest.raises(dj.CheckpointError, match=r"up_proj.weight has shape \(64, 31\).*"
+                     r"expects \(64, 32\)"):
+    target_lib.params_from_hf(config, tensors, "fast")
+
+
+@pytest.mark.skipif(not precision.panel_weights_active(),
+                    reason="needs the CPU kernel's panel form (no AMX)")
+def test_panel_dots_are_bitwise_the_same_for_one_token_and_a_tree_and_exact():
+  """The panel form keeps what lossless verification needs (a token's numbers do
+  not depend on the call) and float32 accuracy; past CPU_KERNEL_MAX_TOKENS XLA's
+  dot reads the same panels."""
+  w = jnp.asarray(np.random.default_rng(7).standard_normal((304, 96)) * 0.05, jnp.bfloat16)
+  panels = precision.cpu_matmul.to_panels(w)
+  x = jnp.asarray(_activations(2 * 33, 96, seed=8)).reshape(2, 33, 96)
+  dot = jax.jit(lambda a: matmul(a, panels, FAST, panels=True))
+  tree = np.asarray(dot(x))
+  for b, t in ((0, 0), (1, 5), (1, 32)):
+    np.testing.assert_array_equal(np.asarray(dot(x[b:b + 1, t:t + 1]))[0, 0], tree[b, t])
+  exact = np.asarray(x, np.float64) @ np.asarray(w.astype(jnp.float32), np.float64).T
+  np.testing.assert_allclose(tree, exact, rtol=0, atol=1e-5 * np.abs(exact).max())
+  long = jnp.asarray(_activations(precision.CPU_KERNEL_MAX_TOKENS + 1, 96, seed=9))
+  np.testing.assert_allclose(np.asarray(jax.jit(lambda a: matmul(a, panels, FAST,
+                                                                 panels=True))(long)),
+                             np.asarray(long, np.float64)
+                             @ np.asarray(w.astype(jnp.float32), np.float64).T,
+                             rtol=0, atol=1e-5 * np.abs(exact).max() * 10)
+
+
+def test_only_the_fast_mode_stores_panels_and_the_switches_turn_them_off(monkeypatch):
+  monkeypatch.setattr(precision, "cpu_kernel_active", lambda: True)
+  monkeypatch.setattr(precision.cpu_matmul, "amx_active", lambda: False)
+  monkeypatch.setattr(precision.jax, "device_count", lambda: 1)
+  monkeypatch.delenv(precision.PANELS_ENV_SWITCH, raising=False)
+  assert precision.weight_layout(FAST, 64) == "panels"
+  assert precision.weight_layout(FAST, 60) == "weight"  # not a multiple of 8
+  assert precision.weight_layout(FAST_ROWS, 64) == "weight"  # drafters
+  assert precision.weight_layout(FLOAT32, 64) == "kernel"
+  with precision.panel_weights(False):
+    assert precision.weight_layout(FAST, 64) == "weight"
+  monkeypatch.setenv(precision.PANELS_ENV_SWITCH, "0")
+  assert precision.weight_layout(FAST, 64) == "weight"
+  monkeypatch.delenv(precision.PANELS_ENV_SWITCH)
+  monkeypatch.setattr(precision.cpu_matmul, "amx_active", lambda: True)  # the tile path
+  assert precision.weight_layout(FAST, 64) == "weight"
+  monkeypatch.setattr(precision.cpu_matmul, "amx_active", lambda: False)
+  monkeypatch.setattr(precision.jax, "device_count", lambda: 8)  # sharded targets
+  assert precision.weight_layout(FAST, 64) == "weight"
 
 
 def _dot_operand_dtypes(fn, *args) -> set[str]:
