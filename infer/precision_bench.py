@@ -136,17 +136,28 @@ def kernel_ab(reps: int, rounds: int = 2, sizes=AB_SIZES, modes=MODES) -> dict:
   return {mode: _medians(by_setting, sizes) for mode, by_setting in runs.items()}
 
 
+def _layout_targets() -> dict:
+  """The embedded model in the fast mode with each dense-weight layout."""
+  targets = {"panels": dj.load_target(dtype="fast")}
+  with precision.panel_weights(False):
+    targets["rows"] = dj.load_target(dtype="fast")
+  return targets
+
+
+def _alternating_layouts(rounds: int):
+  """Yields "panels" / "rows" ``rounds`` times each (panels, rows, rows, panels, ...)."""
+  for rnd in range(rounds):
+    yield from (("panels", "rows") if rnd % 2 == 0 else ("rows", "panels"))
+
+
 def layout_ab(reps: int, rounds: int = 2, sizes=AB_SIZES) -> dict:
   """{"fast": {"panels"|"rows": {"verify_ms": {T: ms}, "ar_tokens_per_s": float}}}:
   the fast mode with its dense weights as panels and as ``[out, in]`` rows, two
   targets alternating ``rounds`` times in one process; medians over rounds."""
-  targets = {"panels": dj.load_target(dtype="fast")}
-  with precision.panel_weights(False):
-    targets["rows"] = dj.load_target(dtype="fast")
+  targets = _layout_targets()
   runs = {layout: [] for layout in targets}
-  for rnd in range(rounds):
-    for layout in (("panels", "rows") if rnd % 2 == 0 else ("rows", "panels")):
-      runs[layout].append(_curve_and_rate(targets[layout], sizes, reps))
+  for layout in _alternating_layouts(rounds):
+    runs[layout].append(_curve_and_rate(targets[layout], sizes, reps))
   return {"fast": _medians(runs, sizes)}
 
 
@@ -174,13 +185,10 @@ def batched_ab(batch: int, new_tokens: int = 48, rounds: int = 2) -> dict:
 def batched_layout_ab(batch: int, new_tokens: int = 48, rounds: int = 2) -> dict:
   """{"panels"|"rows": median new tokens/s}: batched plain decoding in the fast
   mode with each weight layout, alternating."""
-  targets = {"panels": dj.load_target(dtype="fast")}
-  with precision.panel_weights(False):
-    targets["rows"] = dj.load_target(dtype="fast")
+  targets = _layout_targets()
   rates = {layout: [] for layout in targets}
-  for rnd in range(rounds):
-    for layout in (("panels", "rows") if rnd % 2 == 0 else ("rows", "panels")):
-      rates[layout].append(_batched_rate(targets[layout], batch, new_tokens))
+  for layout in _alternating_layouts(rounds):
+    rates[layout].append(_batched_rate(targets[layout], batch, new_tokens))
   return {layout: statistics.median(r) for layout, r in rates.items()}
 
 
@@ -218,6 +226,21 @@ def report(dots: dict, curves: dict | None, ar: dict | None = None) -> str:
   return "\n".join(lines)
 
 
+def _report_ab(ab: dict, key: str, title: str, batch: int, batched, json_path) -> int:
+  """Prints an A/B's table (and ``batched(batch)``'s rates when ``batch``), writes
+  it under ``key`` to ``json_path`` if given; returns the exit status."""
+  print(kernel_report(ab, title))
+  if batch:
+    rates = batched(batch)
+    ab["batched"] = {"batch": batch, **rates}
+    print(f"batch {batch} plain decoding, new tokens/s: "
+          + ", ".join(f"{name} {rate:.1f}" for name, rate in rates.items()))
+  if json_path:
+    with open(json_path, "w") as f:
+      json.dump({key: ab, "devices": [str(d) for d in jax.devices()]}, f, indent=1)
+  return 0
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -240,29 +263,14 @@ def main(argv=None) -> int:
     if not precision.panel_weights_active():
       p.error("--layout-ab: the kernel's panel form does not run here (needs the CPU "
               "kernel without AMX; DART_JAX_CPU_PANELS=0 turns it off)")
-    ab = layout_ab(max(3, args.reps // 2))
-    print(kernel_report(ab, "weights as panels / rows"))
-    if args.batched_ab:
-      ab["batched"] = {"batch": args.batched_ab, **batched_layout_ab(args.batched_ab)}
-      print(f"batch {args.batched_ab} plain decoding, new tokens/s: panels "
-            f"{ab['batched']['panels']:.1f}, rows {ab['batched']['rows']:.1f}")
-    if args.json:
-      with open(args.json, "w") as f:
-        json.dump({"layout_ab": ab, "devices": [str(d) for d in jax.devices()]}, f, indent=1)
-    return 0
+    return _report_ab(layout_ab(max(3, args.reps // 2)), "layout_ab",
+                      "weights as panels / rows", args.batched_ab, batched_layout_ab,
+                      args.json)
   if args.kernel_ab:
     if not precision.cpu_kernel_active():
       p.error("--kernel-ab: the CPU kernel does not run here (kernels.cpu_matmul)")
-    ab = kernel_ab(max(3, args.reps // 2), modes=tuple(args.modes.split(",")))
-    print(kernel_report(ab))
-    if args.batched_ab:
-      ab["batched"] = {"batch": args.batched_ab, **batched_ab(args.batched_ab)}
-      print(f"batch {args.batched_ab} plain decoding, new tokens/s: kernel on "
-            f"{ab['batched']['on']:.1f}, off {ab['batched']['off']:.1f}")
-    if args.json:
-      with open(args.json, "w") as f:
-        json.dump({"kernel_ab": ab, "devices": [str(d) for d in jax.devices()]}, f, indent=1)
-    return 0
+    return _report_ab(kernel_ab(max(3, args.reps // 2), modes=tuple(args.modes.split(","))),
+                      "kernel_ab", "CPU kernel on/off", args.batched_ab, batched_ab, args.json)
   dots = dot_table(args.reps)
   curves = None if args.no_target else verify_curves(max(3, args.reps // 2))
   ar = None if args.no_target else ar_rates(max(2, args.reps // 5))

@@ -30,12 +30,16 @@ def test_matches_float64_to_float32_accuracy(dtype, m, k, n):
   """Shapes cover every tail: rows past the 3-row tile, k % 8, n % 4 and n % 8,
   k % 8 where the first row tile stashes the widened bf16 rows (m > 3), and
   rows over several row blocks (85 rows each at k = 1540, the last one short)."""
-  x, w, exact, magnitude = _case(m, k, n, dtype)
-  got = np.asarray(jax.jit(cpu_matmul.rows_matmul)(x, w))
-  assert got.shape == (m, n) and got.dtype == np.float32
+  _check_float32_accurate(cpu_matmul.rows_matmul, cpu_matmul.rows_matmul_reference,
+                          *_case(m, k, n, dtype))
+
+
+def _check_float32_accurate(kernel, reference, x, w, exact, magnitude):
+  got = np.asarray(jax.jit(kernel)(x, w))
+  assert got.shape == exact.shape and got.dtype == np.float32
   # A float32 dot's own rounding over k terms of mixed magnitude (bound ~k * 2^-24).
-  assert np.all(np.abs(got - exact) <= k * 2.0 ** -24 * magnitude + 1e-30)
-  np.testing.assert_allclose(got, np.asarray(cpu_matmul.rows_matmul_reference(x, w)),
+  assert np.all(np.abs(got - exact) <= x.shape[1] * 2.0 ** -24 * magnitude + 1e-30)
+  np.testing.assert_allclose(got, np.asarray(reference(x, w)),
                              rtol=1e-5, atol=1e-5 * np.abs(exact).max())
 
 
@@ -67,13 +71,8 @@ def test_panels_match_float64_to_float32_accuracy(m, k, n):
   """Shapes cover every tile (1-6 rows, 8 / 4 / 3 / 2 panels), the panels left
   over when the panel count is not a multiple of the tile's (n = 72, 40, 56, 264),
   several row tiles reading the widened stash (m > 6), and odd k."""
-  x, w, exact, magnitude = _panels_case(m, k, n)
-  got = np.asarray(jax.jit(cpu_matmul.panels_matmul)(x, w))
-  assert got.shape == (m, n) and got.dtype == np.float32
-  # One FMA chain over k terms of mixed magnitude (bound ~k * 2^-24).
-  assert np.all(np.abs(got - exact) <= k * 2.0 ** -24 * magnitude + 1e-30)
-  np.testing.assert_allclose(got, np.asarray(cpu_matmul.panels_matmul_reference(x, w)),
-                             rtol=1e-5, atol=1e-5 * np.abs(exact).max())
+  _check_float32_accurate(cpu_matmul.panels_matmul, cpu_matmul.panels_matmul_reference,
+                          *_panels_case(m, k, n))
 
 
 @needs_kernel
