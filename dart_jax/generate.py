@@ -202,6 +202,7 @@ def run_rounds(target: Target, prompt_ids: list[list[int]], decoder: Decoder,
   # The batch row each of the state's sequences decodes (-1: a filler slot).
   slot_rows = np.arange(batch)
   can_drop = getattr(decoder, "keep_rows", None) is not None and target.mesh is None
+  placed_active = None  # (active, that mask on the device)
   with CompileWatch() as watch:
     while not done.all():
       if can_drop:
@@ -211,7 +212,9 @@ def run_rounds(target: Target, prompt_ids: list[list[int]], decoder: Decoder,
       if grows and cache_rows(attend_len, decoder.scratch_rows, capacity) > rows:
         extra = cache_rows(attend_len, decoder.scratch_rows, capacity) - rows
         state, rows = grow_caches(state, extra), rows + extra
-      state, new_tokens, num_new = decoder.step(state, target.place_batch(active), attend_len)
+      if placed_active is None or not np.array_equal(active, placed_active[0]):
+        placed_active = (active, target.place_batch(active))  # changes rarely
+      state, new_tokens, num_new = decoder.step(state, placed_active[1], attend_len)
       new_tokens, num_new = np.asarray(new_tokens), np.asarray(num_new)
       stats.rounds += 1
       row_rounds += int(active.sum())

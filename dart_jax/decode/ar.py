@@ -35,7 +35,8 @@ class Decoder(Protocol):
 
   def step(self, state: Any, active: jax.Array, attend_len: int
            ) -> tuple[Any, jax.Array, jax.Array]:
-    """One round -> (state, new tokens [B, A], number of new tokens [B])."""
+    """One round -> (state, new tokens [B, A], number of new tokens [B]) (device
+    or host arrays)."""
 
   # Optional: ``keep_rows(state, slots: np.ndarray [B']) -> state`` keeps the
   # sequences in ``slots`` (repeats allowed) so that later rounds run a smaller
@@ -72,7 +73,7 @@ class ARDecoder:
     t = self.target
     self.num_rows = tokens.shape[0]
     cache = t.new_cache(self.num_rows, cache_rows or capacity)
-    first, cache, _ = prefill(t.graphdef, t.params, cache, tokens, prompt_lens,
+    first, cache, _ = prefill(t.graphdef, t.call_params, cache, tokens, prompt_lens,
                               self.keys.next(), sampling=self.sampling, taps=(),
                               attn_impl=t.attn_impl)
     rows = t.place_batch(np.arange(self.num_rows, dtype=np.int32))
@@ -80,11 +81,12 @@ class ARDecoder:
 
   def step(self, state, active, attend_len):
     t = self.target
-    nxt, cache = _ar_step(t.graphdef, t.params, state.cache, state.last, active,
-                          self.keys.next(), state.rows, attend_len=attend_len,
-                          sampling=self.sampling, num_rows=self.num_rows,
-                          attn_impl=t.attn_impl)
-    return ARState(cache, nxt, state.rows), nxt[:, None], jnp.ones_like(nxt)
+    nxt, new_tokens, cache = _ar_step(
+        t.graphdef, t.call_params, state.cache, state.last, active, self.keys.next(),
+        state.rows, attend_len=attend_len, sampling=self.sampling,
+        num_rows=self.num_rows, attn_impl=t.attn_impl)
+    # One token each, known on the host: no device call for it.
+    return ARState(cache, nxt, state.rows), new_tokens, np.ones(nxt.shape, np.int32)
 
   def keep_rows(self, state: ARState, slots: np.ndarray) -> ARState:
     """The state of sequences ``slots [B']`` only (one device)."""
@@ -117,13 +119,17 @@ def prefill(graphdef, params, cache, tokens, prompt_lens, key, *, sampling, taps
 def _ar_step(graphdef, params, cache, last, active, key, rows, *, attend_len, sampling,
              num_rows, attn_impl):
   """Feeds ``last [B]`` at position ``lengths`` and samples the next token
-  (``rows [B]`` of a batch of ``num_rows``: the draws each row gets)."""
+  (``rows [B]`` of a batch of ``num_rows``: the draws each row gets).
+
+  Returns (next [B], next as new tokens [B, 1], cache).
+  """
   model = nnx.merge(graphdef, params)
   one = jnp.ones((last.shape[0], 1, 1), bool)
   out = model(last[:, None], cache.lengths[:, None], cache, one, attend_len=attend_len,
               attn_impl=attn_impl)
   cache = out.cache.replace(lengths=cache.lengths + active.astype(jnp.int32))
-  return sample(key, out.logits[:, 0], sampling, rows, num_rows), cache
+  nxt = sample(key, out.logits[:, 0], sampling, rows, num_rows)
+  return nxt, nxt[:, None], cache
 
 
 @jax.jit

@@ -29,6 +29,7 @@ from flax import nnx
 from dart_jax.decode.ar import prefill
 from dart_jax.decode.verify import Acceptance, accept_and_compact, verify_trees
 from dart_jax.models import layers
+from dart_jax.models.static_graph import FlatTree
 from dart_jax.models.target import Target
 from dart_jax.models.transformer import KVCache
 from dart_jax.profiling import PhaseTimer, Wrap, no_wrap
@@ -179,6 +180,7 @@ class SpeculativeDecoder:
   def __init__(self, target: Target, proposer: Proposer, draft_params: Any, *,
                sampling: SamplingConfig, seed: int = 0, profile: bool = False):
     self.target, self.proposer, self.draft_params = target, proposer, draft_params
+    self.call_draft_params = FlatTree(draft_params)  # flattened once
     self.sampling = sampling
     self.scratch_rows = proposer.num_nodes + 1  # the root and the tree
     self.keys = KeySequence(seed)
@@ -191,7 +193,7 @@ class SpeculativeDecoder:
     p.check_fits(capacity, tokens.shape[1])
     batch, rows = tokens.shape[0], cache_rows or capacity
     first, state = speculative_prefill(
-        t.graphdef, t.params, self.draft_params, t.new_cache(batch, rows),
+        t.graphdef, t.call_params, self.call_draft_params, t.new_cache(batch, rows),
         p.new_draft_cache(batch, rows, t.dtype, t.attn_impl, t.mesh), tokens, prompt_lens,
         self.keys.next(), proposer=p, sampling=self.sampling, attn_impl=t.attn_impl,
         capacity=capacity)
@@ -201,7 +203,7 @@ class SpeculativeDecoder:
     t = self.target
     static = dict(proposer=self.proposer, sampling=self.sampling, attend_len=attend_len,
                   attn_impl=t.attn_impl)
-    args = (t.graphdef, t.params, self.draft_params, state, active, self.keys.next())
+    args = (t.graphdef, t.call_params, self.call_draft_params, state, active, self.keys.next())
     if not self.profile:
       return speculative_round(*args, **static)
     wrap = self.timer.wrap(_round, t.graphdef, *sorted(static.items()))

@@ -51,6 +51,11 @@ class Target:
   def __post_init__(self):
     static_graph.use_static_graphdefs(self)  # a cheap static jit argument
 
+  @functools.cached_property
+  def call_params(self) -> static_graph.FlatTree:
+    """``params`` as the argument of the decoding calls (flattened once)."""
+    return static_graph.FlatTree(self.params)
+
   @classmethod
   def init(cls, config: ModelConfig, *, seed: int = 0, dtype=None, tokenizer=None,
            attn_impl: str = "auto") -> "Target":
@@ -99,7 +104,7 @@ class Target:
   def forward(self, tokens, positions, cache, tree_mask, *, attend_len=None,
               taps=(), logit_rows=None) -> ModelOutput:
     """Jitted ``Transformer.__call__`` (donates ``cache``)."""
-    return _forward(self.graphdef, self.params, tokens, positions, cache, tree_mask,
+    return _forward(self.graphdef, self.call_params, tokens, positions, cache, tree_mask,
                     attend_len=attend_len, taps=tuple(taps), logit_rows=logit_rows,
                     attn_impl=self.attn_impl)
 

@@ -72,3 +72,12 @@ def test_greedy_tokens_is_the_first_argmax_including_ties():
   np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
   assert got[0, 0] == 5
   assert got.dtype == np.int32
+
+
+def test_key_sequence_is_the_split_chain_across_blocks():
+  """Keys made a block at a time equal ``key, sub = split(key)`` one by one."""
+  keys = sampling.KeySequence(7)
+  key = jax.random.PRNGKey(7)
+  for _ in range(2 * sampling.KEY_BLOCK + 3):
+    key, sub = jax.random.split(key)
+    assert np.array_equal(keys.next(), np.asarray(sub))

@@ -56,3 +56,21 @@ def test_frozen_dataclass_fields_named_graphdef_are_converted():
   assert isinstance(held.graphdef, static_graph.StaticGraphDef)
   assert isinstance(held.head_graphdef, static_graph.StaticGraphDef)
   assert not isinstance(held.other, static_graph.StaticGraphDef)
+
+
+def test_flat_tree_passes_the_same_leaves_and_unflattens_to_the_tree_inside_jit():
+  graphdef, params = _graphdef(use_bias=True)
+  flat = static_graph.FlatTree(params)
+  assert jax.tree.leaves(flat) == jax.tree.leaves(params)
+  seen = []
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def apply(graphdef, params, x):
+    seen.append(type(params))
+    return nnx.merge(graphdef, params)(x)
+
+  x = jnp.ones((2, 3))
+  assert jnp.array_equal(apply(graphdef, flat, x), nnx.merge(graphdef, params)(x))
+  assert seen == [type(params)]  # the body sees the State, not the wrapper
+  apply(graphdef, static_graph.FlatTree(params), x)  # a new wrapper of the same tree
+  assert len(seen) == 1
