@@ -385,6 +385,6 @@ def tree_config_from_args(args, target, head, ngram, log) -> tuple[Any, dict]:
     given = {k: v for k, v in (("topk", args.topk), ("beam_width", args.beam_width))
              if v is not None}
     # The shipped head carries the tree measured for it.
-    tree = dataclasses.replace(head.tree or dj.tree.TreeConfig(), **given)
+    tree = dataclasses.replace(head.default_tree(target) or dj.tree.TreeConfig(), **given)
   return tree, {"source": "fixed", "budget": tree.remain_total, "topk": tree.topk,
                 "beam_width": tree.beam_width}

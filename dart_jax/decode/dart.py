@@ -229,14 +229,16 @@ def dart_decoder(target: Target, head: DartHead, *, sampling: SamplingConfig,
                  profile: bool = False) -> SpeculativeDecoder:
   """The decoder of ``generate(..., draft=DartHead)``.
 
-  tree: the search's ``TreeConfig`` (default: the head's, else ``TreeConfig()``);
+  tree: the search's ``TreeConfig`` (default: the head's for this target,
+  ``DartHead.default_tree``, else ``TreeConfig()``);
   a ``"target"`` EOS in it (the default) becomes the target's EOS.
   context_ngram: True / a ``ContextNGramConfig`` to mix each sequence's own
     n-gram counts into the search's N-gram term (``dart_jax.ngram.context``),
     False for the reference search; None = ``DEFAULT_CONTEXT_NGRAM``.
   """
   head.check_target(target)
-  tree_config = (tree or head.tree or TreeConfig()).with_target_eos(target_eos_id(target))
+  tree_config = (tree or head.default_tree(target) or TreeConfig()).with_target_eos(
+      target_eos_id(target))
   context_config = resolve_context_ngram(context_ngram)
   table = _as_table(ngram)
   order = getattr(table, "order", 2) if table is not None else 2

@@ -252,12 +252,24 @@ class DartHead:
 
   tree: the ``TreeConfig`` that ``generate`` uses when it is given none (set for
     the shipped head to the budget measured for it); None = ``TreeConfig()``.
+  panel_tree: the one for a target whose dense layers are panels
+    (``Target.dense_layout``), where it differs; None = ``tree``. The panel
+    form computes up to 6 rows in one register tile, so on such CPUs a 7-token
+    verify pass costs a step more than a 6-token one and the shipped head's
+    measured tree there has 5 nodes, not 6 (``docs/cpu_performance.md``).
   """
 
   config: DartConfig
   graphdef: Any
   params: Any
   tree: Any = None
+  panel_tree: Any = None
+
+  def default_tree(self, target) -> Any:
+    """The tree ``generate`` uses with ``target`` when it is given none."""
+    if self.panel_tree is not None and target.dense_layout == "panels":
+      return self.panel_tree
+    return self.tree
 
   @classmethod
   def init(cls, target, draft_length: int = 7, draft_vocab_size: int | None = None,
@@ -374,5 +386,6 @@ def load_dart(path: str | os.PathLike | None = None, target=None, *, dtype=None
   if target is not None:
     head.check_target(target)
   if shipped:
-    head = dataclasses.replace(head, tree=TreeConfig(**embedded_tree_config()))
+    head = dataclasses.replace(head, tree=TreeConfig(**embedded_tree_config()),
+                               panel_tree=TreeConfig(**embedded_tree_config(panels=True)))
   return sharding_lib.drafter_on_mesh(head, target)

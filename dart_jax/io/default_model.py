@@ -67,9 +67,11 @@ def embedded_dart_dir() -> pathlib.Path:
   return path
 
 
-def embedded_tree_config() -> dict:
-  """TreeConfig fields measured for the shipped head (``manifest.json``'s ``tree``)."""
-  return _manifest_section("tree")
+def embedded_tree_config(panels: bool = False) -> dict:
+  """TreeConfig fields measured for the shipped head (``manifest.json``'s
+  ``tree``); ``panels``: the ones measured for a target whose dense layers run
+  in the panel form (``tree_panels``)."""
+  return _manifest_section("tree_panels" if panels else "tree")
 
 
 def _manifest_section(key: str) -> dict:

@@ -52,6 +52,14 @@ class Target:
     static_graph.use_static_graphdefs(self)  # a cheap static jit argument
 
   @functools.cached_property
+  def dense_layout(self) -> str:
+    """How the dense layers store their matrices: "panels", "weight" or "kernel"
+    (``precision.weight_layout``; a target holds one, the LM head aside)."""
+    names = {str(getattr(key, "key", "")) for path, _ in
+             jax.tree_util.tree_leaves_with_path(self.params) for key in path}
+    return next((name for name in ("panels", "weight", "kernel") if name in names), "kernel")
+
+  @functools.cached_property
   def call_params(self) -> static_graph.FlatTree:
     """``params`` as the argument of the decoding calls (flattened once)."""
     return static_graph.FlatTree(self.params)

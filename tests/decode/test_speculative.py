@@ -1,6 +1,7 @@
 """DART speculative decoding is lossless, and its acceptance accounting is right."""
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -83,7 +84,7 @@ def test_generate_ranks_the_target_eos_last_unless_told_otherwise(smollm2):
   def decoder_eos(**kwargs):
     return make_decoder(smollm2, SamplingConfig(), 0, head, **kwargs).proposer.tree_config.eos_id
 
-  assert head.tree.eos_id == "target"
+  assert head.tree.eos_id == "target" and head.panel_tree.eos_id == "target"
   assert decoder_eos() == eos
   assert decoder_eos(tree=TreeConfig(remain_total=8)) == eos
   assert decoder_eos(tree=TreeConfig(eos_id=None)) is None
@@ -233,3 +234,22 @@ def test_smollm2_shipped_head_greedy_equals_ar(request, target_fixture, num_prom
     accept_lens.append(sp.stats.mean_accept_len)
   # A random head stays at ~1.0 token per round (measured); a trained one beats it.
   assert np.mean(accept_lens) > 1.25, accept_lens
+
+
+def test_the_shipped_heads_default_tree_follows_the_targets_dense_layout(smollm2):
+  """Without a tree, DART searches the one measured for the target's dense
+  layout: the panel form's (a smaller tree: a 7th row costs a second register
+  tile there) or the head's own; a given tree always wins."""
+  from dart_jax.decode.methods import make_decoder
+
+  head = dj.load_dart(target=smollm2)
+  assert head.panel_tree.remain_total < head.tree.remain_total
+  panels, rows = (types.SimpleNamespace(dense_layout=layout) for layout in ("panels", "weight"))
+  assert head.default_tree(panels) is head.panel_tree and head.default_tree(rows) is head.tree
+  assert dataclasses.replace(head, panel_tree=None).default_tree(panels) is head.tree
+
+  def nodes(**kwargs):
+    return make_decoder(smollm2, SamplingConfig(), 0, head, **kwargs).proposer.num_nodes
+
+  assert nodes() == head.default_tree(smollm2).remain_total
+  assert nodes(tree=TreeConfig(remain_total=8)) == 8

@@ -193,6 +193,8 @@ def test_fast_targets_store_panels_and_checkpoints_keep_the_hf_layout():
   target = Target.init(config, seed=0)
   up = target.module().layers[0].mlp.up_proj
   assert up.layout == "panels" and up.panels.shape == (8, 32, 8)
+  assert target.dense_layout == "panels"
+  assert Target.init(config, seed=0, dtype=jnp.float32).dense_layout == "kernel"
   tensors = checkpoint.tensors_from_state(target.params, target_lib.hf_name)
   assert tensors["model.layers.0.mlp.up_proj.weight"].shape == (64, 32)
   # The tied LM head is a packed copy of the embedding table, one tensor on disk.
@@ -206,6 +208,7 @@ def test_fast_targets_store_panels_and_checkpoints_keep_the_hf_layout():
     graphdef, params = target_lib.params_from_hf(config, tensors, "fast")
   rows = Target(config, graphdef, params)
   assert rows.module().layers[0].mlp.up_proj.layout == "weight"
+  assert rows.dense_layout == "weight"
   assert not hasattr(rows.module(), "tied_head")
   graphdef, params = target_lib.params_from_hf(config, tensors, "fast")  # panels again
   np.testing.assert_array_equal(

@@ -116,6 +116,7 @@ def test_shipped_assets_are_small_and_fit_the_embedded_target():
     assert os.path.getsize(default_model.EMBEDDED_ASSETS / name) == size, name
   head = dj.load_dart()  # No target: tap layers come from the shipped config.
   assert head.tree == dj.tree.TreeConfig(**manifest["tree"])  # generate's default tree
+  assert head.panel_tree == dj.tree.TreeConfig(**manifest["tree_panels"])  # ... on panels
   assert head.config.vocab_size == 49152 and head.config.target_hidden_size == 576
   assert head.config.draft_vocab_size == manifest["draft_vocab_size"]
   ngram = dj.load_ngram()
