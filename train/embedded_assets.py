@@ -69,14 +69,18 @@ def choose_tree(target, head, ngram, tree_budget: str) -> tuple[dict, dict]:
   return fields, how
 
 
-def _update_manifest(out_dir: str, entries: dict, files: list[str]) -> dict:
+def _update_manifest(out_dir: str, entries: dict, files: list[str],
+                     stale: tuple[str, ...] = ()) -> dict:
   """Merges ``entries`` and the sizes of ``files`` into ``out_dir/manifest.json``
-  (entries of the other packing call are kept); returns the manifest."""
+  (entries of the other packing call are kept, ``stale`` ones dropped); returns
+  the manifest."""
   path = os.path.join(out_dir, "manifest.json")
   manifest = {}
   if os.path.exists(path):
     with open(path) as f:
       manifest = json.load(f)
+  for key in stale:
+    manifest.pop(key, None)
   sizes = dict(manifest.get("files", {}))
   sizes.update({os.path.relpath(f, out_dir): os.path.getsize(f) for f in files})
   manifest.update(entries, files=dict(sorted(sizes.items())))
@@ -122,7 +126,9 @@ def pack(target, data_paths, head_dir: str, out_dir: str, *, order: int = 3,
       "tree": tree, "tree_choice": tree_choice,
       "data": {os.path.basename(p): _sha256(p) for p in data_paths},
   }
-  return _update_manifest(out_dir, entries, files)
+  # A tree measured for panel targets belonged to the head packed before.
+  return _update_manifest(out_dir, entries, files,
+                          stale=("tree_panels", "tree_panels_choice"))
 
 
 def main(argv=None) -> int:

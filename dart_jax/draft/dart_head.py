@@ -386,6 +386,7 @@ def load_dart(path: str | os.PathLike | None = None, target=None, *, dtype=None
   if target is not None:
     head.check_target(target)
   if shipped:
+    panel_tree = embedded_tree_config(panels=True)
     head = dataclasses.replace(head, tree=TreeConfig(**embedded_tree_config()),
-                               panel_tree=TreeConfig(**embedded_tree_config(panels=True)))
+                               panel_tree=TreeConfig(**panel_tree) if panel_tree else None)
   return sharding_lib.drafter_on_mesh(head, target)

@@ -67,17 +67,22 @@ def embedded_dart_dir() -> pathlib.Path:
   return path
 
 
-def embedded_tree_config(panels: bool = False) -> dict:
+def embedded_tree_config(panels: bool = False) -> dict | None:
   """TreeConfig fields measured for the shipped head (``manifest.json``'s
   ``tree``); ``panels``: the ones measured for a target whose dense layers run
-  in the panel form (``tree_panels``)."""
-  return _manifest_section("tree_panels" if panels else "tree")
+  in the panel form (``tree_panels``), None where none was measured."""
+  if panels:
+    return _manifest_section("tree_panels", optional=True)
+  return _manifest_section("tree")
 
 
-def _manifest_section(key: str) -> dict:
+def _manifest_section(key: str, optional: bool = False) -> dict | None:
   path = EMBEDDED_ASSETS / "manifest.json"
   try:
-    return dict(json.loads(path.read_text())[key])
+    manifest = json.loads(path.read_text())
+    if optional and key not in manifest:
+      return None
+    return dict(manifest[key])
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise CheckpointError(f"cannot read the shipped {key!r} settings from {path}: {e}"
                           ) from e

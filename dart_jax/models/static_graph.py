@@ -69,10 +69,9 @@ class FlatTree:
   ``nnx.State``, a dict), so the function body does not see the wrapper.
   """
 
-  __slots__ = ("tree", "leaves", "treedef")
+  __slots__ = ("leaves", "treedef")
 
   def __init__(self, tree: Any):
-    self.tree = tree
     self.leaves, self.treedef = jax.tree.flatten(tree)
 
 

@@ -30,15 +30,24 @@ def _assert_within_float16_rounding(params, shipped_params):
                                err_msg=jax.tree_util.keystr(path))
 
 
-def test_pack_round_trip(tiny_target, tmp_path):
+def test_pack_round_trip(tiny_target, tmp_path, monkeypatch):
   head = dj.DartHead.init(tiny_target, draft_length=3, draft_vocab_size=64, seed=1)
   head = head.with_draft_vocab(np.arange(0, 128, 2))
   dj.save_dart(head, tmp_path / "export")
+  # A tree measured for panel targets with an earlier head does not survive a re-pack.
+  (tmp_path / "out").mkdir()
+  (tmp_path / "out" / "manifest.json").write_text(json.dumps(
+      {"tree_panels": {"topk": 2, "beam_width": 2, "remain_total": 2}, "domino": {}}))
   manifest = embedded_assets.pack(tiny_target, list(configs.SAMPLE_DATA),
                                   str(tmp_path / "export"), str(tmp_path / "out"),
                                   order=3, min_count=1, tree_budget="5")
   assert manifest["tree"] == {"topk": 5, "beam_width": 5, "remain_total": 5}
+  assert "tree_panels" not in manifest and manifest["domino"] == {}
   shipped = dj.load_dart(tmp_path / "out" / "dart_head", tiny_target)
+  monkeypatch.setattr(default_model, "EMBEDDED_ASSETS", tmp_path / "out")
+  as_shipped = dj.load_dart(target=tiny_target)  # no panel tree: the head's serves
+  assert as_shipped.tree == dj.tree.TreeConfig(**manifest["tree"])
+  assert as_shipped.panel_tree is None
   _assert_within_float16_rounding(head.params, shipped.params)
   assert manifest["files"]["dart_head/model.safetensors"] == os.path.getsize(
       tmp_path / "out" / "dart_head" / "model.safetensors")
