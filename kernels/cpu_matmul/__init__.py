@@ -40,6 +40,7 @@ _TARGETS = {  # weight dtype -> (FFI target name, library symbol)
     jnp.dtype(jnp.bfloat16): ("dart_rows_matmul_bf16", "DartRowsMatmulBF16"),
 }
 _PANELS_TARGET = ("dart_panels_matmul_bf16", "DartPanelsMatmulBF16")
+_ARGMAX_TARGET = ("dart_rows_argmax", "DartRowsArgmax")
 PANEL = 8
 """Output columns per panel of ``panels_matmul``'s weight layout ``[N / PANEL, K, PANEL]``."""
 
@@ -156,7 +157,7 @@ def available() -> bool:
     return False
   try:
     library = ctypes.cdll.LoadLibrary(str(build(compiler)))
-    for name, symbol in (*_TARGETS.values(), _PANELS_TARGET):
+    for name, symbol in (*_TARGETS.values(), _PANELS_TARGET, _ARGMAX_TARGET):
       jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)),
                                   platform="cpu")
     _enable_amx(library)
@@ -278,7 +279,26 @@ def panels_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 panels_matmul.defjvp(_jvp_of_reference(panels_matmul, panels_matmul_reference))
 
 
-__all__ = ["rows_matmul", "panels_matmul", "panels_matmul_reference", "to_panels",
+def rows_argmax(logits: jax.Array) -> jax.Array:
+  """The first index of each row's maximum with the FFI kernel (greedy tokens);
+  call only when ``available()``.
+
+  logits: [..., V] float32 -> [...] int32. A row's NaNs are skipped (an all-NaN
+  row gives 0). XLA:CPU's reductions over a 49152-token vocabulary cost 0.2 ms
+  for one row and 0.5-0.9 ms for six on the 2-core Zen 3 (``jnp.argmax`` and
+  the max-then-first-index form alike); this scan takes tens of microseconds.
+  """
+  if logits.ndim < 1 or logits.shape[-1] < 1 or logits.dtype != jnp.float32:
+    raise ValueError(f"rows_argmax: logits {logits.shape} {logits.dtype} are not float32 "
+                     "[..., V] with V >= 1")
+  lead = logits.shape[:-1]
+  rows = logits.reshape(-1, logits.shape[-1])
+  out = jax.ffi.ffi_call(_ARGMAX_TARGET[0], jax.ShapeDtypeStruct(rows.shape[:1], jnp.int32),
+                         vmap_method="sequential")(rows)
+  return out.reshape(lead)
+
+
+__all__ = ["rows_matmul", "rows_argmax", "panels_matmul", "panels_matmul_reference", "to_panels",
            "from_panels", "PANEL", "rows_matmul_reference", "available", "amx_active", "cpu_flags",
            "cpu_supports_kernel", "cpu_supports_amx_path", "cpu_has_bf16_matrix_unit",
            "cpu_has_bf16_dot_instruction", "build"]

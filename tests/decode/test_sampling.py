@@ -6,6 +6,7 @@ import numpy as np
 from scipy import stats
 
 from dart_jax import sampling
+from dart_jax.models import precision
 from dart_jax.sampling import _invert, sample_log_probs
 
 VOCAB = 1000  # 8 blocks of 128, the last one partial
@@ -68,10 +69,13 @@ def test_greedy_tokens_is_the_first_argmax_including_ties():
   logits[1, 2, -1] = 50.0
   logits[2, 3] = -np.inf
   logits[2, 3, 42] = 0.0
-  got = np.asarray(sampling.greedy_tokens(jnp.asarray(logits)))
-  np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
-  assert got[0, 0] == 5
-  assert got.dtype == np.int32
+  logits[3, 4] = -np.inf  # every index ties: the first
+  for kernel in (True, False):  # the CPU kernel's scan where built, and XLA's form
+    with precision.cpu_kernel(kernel):
+      got = np.asarray(jax.jit(sampling.greedy_tokens)(jnp.asarray(logits)))
+    np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
+    assert got[0, 0] == 5
+    assert got.dtype == np.int32
 
 
 def test_key_sequence_is_the_split_chain_across_blocks():

@@ -273,3 +273,29 @@ def test_bench_times_every_form(monkeypatch):
   assert set(got[1]) == {"xla_f32_kn", "xla_f32_nk", "kernel_f32", "kernel_bf16",
                          "panels_bf16"}
   assert all(ms > 0 for row in got.values() for ms in row.values())
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1, 49152), (2, 3, 1000), (5, 7), (3, 1), (4, 17)])
+def test_rows_argmax_is_the_first_index_of_the_maximum(shape):
+  rng = np.random.default_rng(sum(shape))
+  logits = rng.standard_normal(shape).astype(np.float32)
+  flat = logits.reshape(-1, shape[-1])
+  if shape[-1] > 3:
+    flat[0, [shape[-1] - 1, 1, shape[-1] // 2]] = 7.0  # a tie: index 1 wins
+    flat[-1, -1] = 9.0  # the maximum in the scalar tail
+  got = np.asarray(jax.jit(cpu_matmul.rows_argmax)(jnp.asarray(logits)))
+  np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
+  assert got.dtype == np.int32 and got.shape == shape[:-1]
+
+
+@needs_kernel
+def test_rows_argmax_edge_rows_and_errors():
+  logits = np.full((3, 20), -np.inf, np.float32)
+  logits[1, 13] = 0.0
+  logits[2, :] = np.nan
+  logits[2, 9] = 1.0
+  np.testing.assert_array_equal(np.asarray(cpu_matmul.rows_argmax(jnp.asarray(logits))),
+                                [0, 13, 9])  # all -inf: the first; NaNs are skipped
+  with pytest.raises(ValueError, match="float32"):
+    cpu_matmul.rows_argmax(jnp.zeros((2, 4), jnp.bfloat16))
