@@ -2,11 +2,13 @@
 
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from dart_jax.models import ModelConfig, Target, causal_mask
+from dart_jax.models import layers
 from dart_jax.models import target as target_lib
 from dart_jax.models.transformer import KVCache
 from kernels.tree_attention import HEAD_MAJOR, TOKEN_MAJOR
@@ -214,3 +216,24 @@ def test_a_decode_step_does_not_copy_the_cache(batch):
   buffer = ",".join(map(str, cache.k[0].shape))
   copies = re.findall(rf"= f32\[{buffer}\]\{{[0-9,]+\}} copy\(", compiled.as_text())
   assert not copies, f"{len(copies)} whole-buffer copies of the cache"
+
+
+def test_rope_tables_are_computed_once_per_pass():
+  """The cos / sin of a pass's positions are evaluated once, not inside each
+  layer's q and k rotation (XLA:CPU fused them into all 2L rotations), and are
+  the tables of the positions' angles."""
+  t = Target.init(CONFIGS["llama_gqa"], seed=1)
+  cache = t.new_cache(1, 64).replace(lengths=jnp.full((1,), 20, jnp.int32))
+  compiled = target_lib._forward.lower(  # pylint: disable=protected-access
+      t.graphdef, t.params, jnp.zeros((1, 4), jnp.int32),
+      jnp.arange(20, 24, dtype=jnp.int32)[None], cache, causal_mask(1, 4),
+      attend_len=32, taps=(), logit_rows=None, attn_impl=t.attn_impl).compile()
+  cosines = re.findall(r"= f32\[[0-9,]*\]\{[0-9,]*\} cosine\(", compiled.as_text())
+  assert 1 <= len(cosines) <= 2, f"{len(cosines)} cosine ops for 3 layers"  # one per branch
+  positions = np.array([[0, 5, 1000, 70000]], np.int32)
+  inv_freq = np.asarray(t.module().inv_freq, np.float32)
+  cos, sin = jax.jit(layers.rope_cos_sin, static_argnums=1)(
+      jnp.asarray(positions), t.module().inv_freq)
+  angles = positions[..., None].astype(np.float32) * inv_freq
+  np.testing.assert_allclose(np.asarray(cos), np.cos(angles), atol=2e-6)
+  np.testing.assert_allclose(np.asarray(sin), np.sin(angles), atol=2e-6)
