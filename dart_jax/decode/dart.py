@@ -100,7 +100,10 @@ class DartProposer:
 
   @property
   def max_depth(self) -> int:
-    return self.config.draft_length + 1
+    # D+1 levels, and no deeper than a chain of all N nodes: a 5-node tree's
+    # accepted path is 6 rows, not 7 (acceptance, the path's taps and the
+    # head's next pass are that much shorter).
+    return min(self.config.draft_length + 1, self.num_nodes)
 
   @property
   def with_hidden(self) -> bool:
