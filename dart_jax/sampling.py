@@ -79,18 +79,29 @@ def processed_log_probs(logits: jax.Array, config: SamplingConfig) -> jax.Array:
   """
   logits = logits.astype(jnp.float32) / config.temperature
   if config.top_p < 1.0:
-    sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
-    sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
-    # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass
-    # strictly before it is below top_p (the most likely token always stays).
-    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-    kept = mass_before < config.top_p
-    threshold = jnp.min(jnp.where(kept, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-    logits = jnp.where(logits >= threshold, logits, -jnp.inf)
+    logits = jnp.where(logits >= top_p_threshold(logits, config.top_p), logits, -jnp.inf)
   if config.top_k > 0 and config.top_k < logits.shape[-1]:
     kth = jax.lax.top_k(logits, config.top_k)[0][..., -1:]
     logits = jnp.where(logits >= kth, logits, -jnp.inf)
   return jax.nn.log_softmax(logits, axis=-1)
+
+
+def top_p_threshold(logits: jax.Array, top_p: float) -> jax.Array:
+  """The smallest logit the nucleus keeps: [..., V] -> [..., 1] float32.
+
+  Keep the smallest prefix of the logits, largest first, whose mass reaches
+  top_p: a token stays if the mass strictly before it is below top_p (the most
+  likely token always stays). Where the CPU kernels run, their scan (which
+  orders only the top logits; 6 rows of 49152 in ~2 ms instead of XLA:CPU's
+  85 ms full sort); elsewhere a sort.
+  """
+  if logits.dtype == jnp.float32 and precision.cpu_kernel_active():
+    return cpu_matmul.top_p_threshold(logits, top_p)
+  sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
+  sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
+  mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+  kept = mass_before < top_p
+  return jnp.min(jnp.where(kept, sorted_logits, jnp.inf), axis=-1, keepdims=True)
 
 
 def sample(key: jax.Array, logits: jax.Array, config: SamplingConfig,

@@ -299,3 +299,35 @@ def test_rows_argmax_edge_rows_and_errors():
                                 [0, 13, 9])  # all -inf: the first; NaNs are skipped
   with pytest.raises(ValueError, match="float32"):
     cpu_matmul.rows_argmax(jnp.zeros((2, 4), jnp.bfloat16))
+
+
+def _top_p_threshold_float64(logits: np.ndarray, top_p: float) -> np.ndarray:
+  """The nucleus's smallest logit per row, masses in float64 (a full sort)."""
+  ordered = -np.sort(-logits.astype(np.float64), axis=-1)
+  probs = np.exp(ordered - ordered[..., :1])
+  probs /= probs.sum(-1, keepdims=True)
+  kept = np.cumsum(probs, -1) - probs < top_p
+  return np.where(kept, ordered, np.inf).min(-1, keepdims=True).astype(np.float32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("vocab,scale,top_p", [(49152, 3.0, 0.9), (49152, 8.0, 0.95),
+                                               (3000, 1.0, 0.5), (100, 0.3, 0.99),
+                                               (7, 2.0, 0.6), (1, 1.0, 0.5)])
+def test_top_p_threshold_is_the_nucleus_smallest_logit(vocab, scale, top_p):
+  rng = np.random.default_rng(vocab)
+  logits = (rng.standard_normal((3, vocab)) * scale).astype(np.float32)
+  if vocab > 10:
+    logits[1, :5] = logits[1, 5]  # ties around the top
+  got = np.asarray(jax.jit(lambda x: cpu_matmul.top_p_threshold(x, top_p))(
+      jnp.asarray(logits)))
+  np.testing.assert_array_equal(got, _top_p_threshold_float64(logits, top_p))
+  assert got.shape == (3, 1)
+
+
+@needs_kernel
+def test_top_p_threshold_errors():
+  with pytest.raises(ValueError, match="top_p"):
+    cpu_matmul.top_p_threshold(jnp.zeros((2, 4)), 1.5)
+  with pytest.raises(ValueError, match="float32"):
+    cpu_matmul.top_p_threshold(jnp.zeros((2, 4), jnp.bfloat16), 0.5)
