@@ -243,7 +243,8 @@ class DartHeadModule(nnx.Module):
 
 def _ref_name(path: str) -> str:
   """Reference checkpoint name of a ``DartHeadModule`` state path."""
-  return path.replace("/kernel", ".weight").replace("/scale", ".weight").replace("/", ".")
+  return (path.replace("/kernel", ".weight").replace("/panels", ".weight")
+          .replace("/scale", ".weight").replace("/", "."))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

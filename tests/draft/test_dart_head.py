@@ -180,3 +180,19 @@ def test_draft_vocab_mapping(target):
   assert t2d.sum() == 5 and t2d[[3, 7, 11, 40, 63]].all()
   with pytest.raises(dj.ConfigError):
     head.with_draft_vocab([1, 1, 2, 3, 4])
+
+
+@pytest.mark.parametrize("mode", ["fast", "fast-rows"])
+def test_loads_and_saves_in_the_bf16_modes(tmp_path, target, mode):
+  """A head loads in either CPU bf16 mode (``fast`` stores its dense layers as
+  panels where the kernel runs) and saves back the reference tensors, rounded
+  to bf16."""
+  rng = np.random.default_rng(1)
+  ref = _reference_dir(tmp_path / "ref", rng)
+  head = dj.load_dart(tmp_path / "ref", target, dtype=mode)
+  dj.save_dart(head, tmp_path / "out")
+  back = load_file(str(tmp_path / "out" / "model.safetensors"))
+  assert set(back) == set(ref)
+  for name, value in ref.items():
+    if value.dtype == np.float32 and value.ndim == 2:  # dense weights: stored bf16
+      np.testing.assert_allclose(back[name], value, rtol=2 ** -8, atol=0, err_msg=name)
