@@ -259,20 +259,27 @@ def _insert_row(keys, values, new_keys, new_values, valid, probes: int, add: boo
     value = ordered_values[jnp.maximum(next_head - 1, 0)]
   mask = jnp.uint32(keys.shape[0] - 1)
 
-  def claim_round(probe, carry):
-    keys, placed, slot_of = carry
+  def claim_round(carry):
+    probe, keys, placed, slot_of = carry
     slot = ((ordered + probe.astype(jnp.uint32)) & mask).astype(jnp.int32)
     current = keys[slot]
     found = ~placed & (current == ordered)
     empty = ~placed & (current == 0)
     keys = keys.at[slot].max(jnp.where(empty, ordered, jnp.uint32(0)))
     won = empty & (keys[slot] == ordered)
-    return keys, placed | found | won, jnp.where(found | won, slot, slot_of)
+    return probe + 1, keys, placed | found | won, jnp.where(found | won, slot, slot_of)
+
+  def unplaced(carry):
+    probe, _, placed, _ = carry
+    return (probe < probes) & ~jnp.all(placed)
 
   # A loop, not ``probes`` unrolled copies: each round's gathers and scatter are
   # compiled once (unrolled, they tripled the compile time of a DART round on CPU).
-  keys, placed, slot_of = lax.fori_loop(
-      0, probes, claim_round, (keys, ~is_head, jnp.zeros((n,), jnp.int32)))
+  # It stops once every key is placed (a round then changes nothing): in a sparse
+  # table that is after a round or two, not all ``probes``.
+  _, keys, placed, slot_of = lax.while_loop(
+      unplaced, claim_round,
+      (jnp.int32(0), keys, ~is_head, jnp.zeros((n,), jnp.int32)))
   write = placed & is_head
   if add:
     return keys, values.at[slot_of].add(jnp.where(write, value, 0))
