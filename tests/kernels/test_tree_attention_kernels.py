@@ -59,9 +59,17 @@ def _to_f32(x: jax.Array) -> jax.Array:
   return x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
 
+# The backend each kernel runs on natively (``tools/gpu_check.sh`` runs these).
+_NATIVE_BACKEND = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
+
+
+@pytest.mark.parametrize("interpret", [True, False], ids=["interpret", "native"])
 @pytest.mark.parametrize("impl", list(_KERNELS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_kernel_matches_reference_in_interpret_mode(case, impl):
+def test_kernel_matches_reference(case, impl, interpret):
+  if not interpret and jax.default_backend() != _NATIVE_BACKEND[impl]:
+    pytest.skip(f"{impl} runs natively on {_NATIVE_BACKEND[impl]}, not "
+                f"{jax.default_backend()}")
   spec = CASES[case]
   args = list(random_inputs(*spec["shape"], spec["lengths"], spec["dtype"],
                             seed=len(case), mask=spec.get("mask", "tree")))
@@ -74,9 +82,9 @@ def test_kernel_matches_reference_in_interpret_mode(case, impl):
   expected = np.asarray(tree_attention_reference(*map(_to_f32, args), scale=scale))
 
   if spec.get("entry"):
-    run = functools.partial(tree_attention, impl=impl, scale=scale, interpret=True)
+    run = functools.partial(tree_attention, impl=impl, scale=scale, interpret=interpret)
   else:
-    run = jax.jit(functools.partial(_KERNELS[impl], scale=scale, interpret=True,
+    run = jax.jit(functools.partial(_KERNELS[impl], scale=scale, interpret=interpret,
                                     out_dtype=jnp.float32, **spec[impl]))
   out = run(*args)
   assert out.shape == args[0].shape
