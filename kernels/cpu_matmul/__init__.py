@@ -282,6 +282,17 @@ def panels_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 panels_matmul.defjvp(_jvp_of_reference(panels_matmul, panels_matmul_reference))
 
 
+def _per_row(target: str, what: str, logits: jax.Array, dtype, **attrs) -> jax.Array:
+  """A row-wise FFI call over ``logits [..., V]`` float32 -> [...] of ``dtype``."""
+  if logits.ndim < 1 or logits.shape[-1] < 1 or logits.dtype != jnp.float32:
+    raise ValueError(f"{what}: logits {logits.shape} {logits.dtype} are not float32 "
+                     "[..., V] with V >= 1")
+  rows = logits.reshape(-1, logits.shape[-1])
+  out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(rows.shape[:1], dtype),
+                         vmap_method="sequential")(rows, **attrs)
+  return out.reshape(logits.shape[:-1])
+
+
 def rows_argmax(logits: jax.Array) -> jax.Array:
   """The first index of each row's maximum with the FFI kernel (greedy tokens);
   call only when ``available()``.
@@ -291,14 +302,7 @@ def rows_argmax(logits: jax.Array) -> jax.Array:
   for one row and 0.5-0.9 ms for six on the 2-core Zen 3 (``jnp.argmax`` and
   the max-then-first-index form alike); this scan takes tens of microseconds.
   """
-  if logits.ndim < 1 or logits.shape[-1] < 1 or logits.dtype != jnp.float32:
-    raise ValueError(f"rows_argmax: logits {logits.shape} {logits.dtype} are not float32 "
-                     "[..., V] with V >= 1")
-  lead = logits.shape[:-1]
-  rows = logits.reshape(-1, logits.shape[-1])
-  out = jax.ffi.ffi_call(_ARGMAX_TARGET[0], jax.ShapeDtypeStruct(rows.shape[:1], jnp.int32),
-                         vmap_method="sequential")(rows)
-  return out.reshape(lead)
+  return _per_row(_ARGMAX_TARGET[0], "rows_argmax", logits, jnp.int32)
 
 
 def top_p_threshold(logits: jax.Array, top_p: float) -> jax.Array:
@@ -311,18 +315,14 @@ def top_p_threshold(logits: jax.Array, top_p: float) -> jax.Array:
   XLA:CPU sorts the whole vocabulary for this (6 rows of 49152: 85 ms on the
   2-core Zen 3); the kernel orders only the top logits that hold ``top_p``.
   """
-  if logits.ndim < 1 or logits.shape[-1] < 1 or logits.dtype != jnp.float32:
-    raise ValueError(f"top_p_threshold: logits {logits.shape} {logits.dtype} are not "
-                     "float32 [..., V] with V >= 1")
   if not 0.0 < top_p <= 1.0:
     raise ValueError(f"top_p_threshold: top_p must be in (0, 1], got {top_p}")
-  rows = logits.reshape(-1, logits.shape[-1])
-  out = jax.ffi.ffi_call(_TOP_P_TARGET[0], jax.ShapeDtypeStruct(rows.shape[:1], jnp.float32),
-                         vmap_method="sequential")(rows, top_p=np.float32(top_p))
-  return out.reshape(logits.shape[:-1] + (1,))
+  return _per_row(_TOP_P_TARGET[0], "top_p_threshold", logits, jnp.float32,
+                  top_p=np.float32(top_p))[..., None]
 
 
-__all__ = ["rows_matmul", "rows_argmax", "top_p_threshold", "panels_matmul", "panels_matmul_reference", "to_panels",
-           "from_panels", "PANEL", "rows_matmul_reference", "available", "amx_active", "cpu_flags",
+__all__ = ["rows_matmul", "rows_argmax", "top_p_threshold", "panels_matmul",
+           "panels_matmul_reference", "to_panels", "from_panels", "PANEL",
+           "rows_matmul_reference", "available", "amx_active", "cpu_flags",
            "cpu_supports_kernel", "cpu_supports_amx_path", "cpu_has_bf16_matrix_unit",
            "cpu_has_bf16_dot_instruction", "build"]
