@@ -28,7 +28,7 @@ from dart_jax.models.precision import Precision
 from kernels import cpu_matmul
 from kernels.tree_attention import TOKEN_MAJOR, cache_layout_for, tree_attention
 from kernels.tree_attention import common as attention_common
-from kernels.tree_attention.ops import resolve_impl
+from kernels.tree_attention.ops import cpu_kernel_runs, resolve_impl
 
 
 @flax.struct.dataclass
@@ -269,11 +269,12 @@ class Attention(nnx.Module):
     # would make XLA copy the whole cache every call.
     k_cache = write_kv(k_cache, k, lengths, layout)
     v_cache = write_kv(v_cache, v, lengths, layout)
-    if resolve_impl(impl) == "xla" and prefix_pays(attend_len, k_cache.shape[
-        attention_common.seq_axis(layout)]):
+    if (resolve_impl(impl) == "xla"
+        and not cpu_kernel_runs(t, self.head_dim, k_cache.dtype, layout)
+        and prefix_pays(attend_len, k_cache.shape[attention_common.seq_axis(layout)])):
       # XLA reads every cache row it is given: bound the work by attend_len
-      # (>= max length). The Pallas kernels skip padding themselves, and a slice
-      # would cost them a copy.
+      # (>= max length). The kernels (Pallas, CPU) skip padding themselves, and
+      # a slice would cost them a copy.
       k_cache_read = cache_prefix(k_cache, attend_len, layout)
       v_cache_read = cache_prefix(v_cache, attend_len, layout)
     else:

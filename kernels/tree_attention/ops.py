@@ -3,7 +3,9 @@
 import functools
 
 import jax
+import jax.numpy as jnp
 
+from kernels import cpu_matmul
 from kernels.tree_attention import common
 from kernels.tree_attention import pallas_gpu
 from kernels.tree_attention import pallas_tpu
@@ -25,6 +27,26 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
   backend = jax.default_backend() if backend is None else backend
   return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu",
           "rocm": "pallas_gpu"}.get(backend, "xla")
+
+
+CPU_KERNEL_MAX_TREE = 64
+"""The most new tokens per row that ``impl="xla"`` sends to the fused CPU
+kernel; longer calls (prefill) keep XLA's dots, which batch many rows better."""
+
+
+def cpu_kernel_runs(num_tree: int, head_dim: int, cache_dtype, cache_layout: str,
+                    backend: str | None = None) -> bool:
+  """Whether ``impl="xla"`` runs ``cpu_matmul.tree_attention`` (one fused FFI
+  call per layer) instead of the XLA reference: on the CPU backend where the
+  kernel is built, head-major caches of float32 / bf16, ``head_dim`` in
+  ``cpu_matmul.ATTENTION_HEAD_DIMS`` and at most ``CPU_KERNEL_MAX_TREE`` new
+  tokens. It reads only each row's first ``lengths`` cache positions, so the
+  caller passes the whole buffer (no prefix slice)."""
+  backend = jax.default_backend() if backend is None else backend
+  return (backend == "cpu" and cache_layout == common.HEAD_MAJOR
+          and num_tree <= CPU_KERNEL_MAX_TREE and head_dim in cpu_matmul.ATTENTION_HEAD_DIMS
+          and jnp.dtype(cache_dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+          and cpu_matmul.available())
 
 
 def cache_layout_for(impl: str, backend: str | None = None) -> str:
@@ -60,8 +82,9 @@ def tree_attention(
     lengths: [B] int, valid cache entries per row (0 allowed).
     k_tree, v_tree: [B, T, Hkv, hd] keys/values of the tree tokens.
     tree_mask: [B, T, T] bool, ``tree_mask[b, i, j]``: tree token i sees token j.
-    impl: "auto" (TPU kernel on TPU, GPU kernel on GPU, XLA reference on CPU),
-      "xla", "pallas_tpu" or "pallas_gpu".
+    impl: "auto" (TPU kernel on TPU, GPU kernel on GPU, "xla" on CPU),
+      "xla" (the reference; on CPU with a head-major cache the fused FFI
+      kernel where ``cpu_kernel_runs``), "pallas_tpu" or "pallas_gpu".
     scale: softmax scale, default ``hd ** -0.5``.
     interpret: run a Pallas kernel in interpret mode (CPU testing); ignored by
       "xla".
@@ -86,4 +109,6 @@ def tree_attention(
     return pallas_tpu.tree_attention_pallas_tpu(*args, scale=scale, interpret=interpret)
   if impl == "pallas_gpu":
     return pallas_gpu.tree_attention_pallas_gpu(*args, scale=scale, interpret=interpret)
+  if cpu_kernel_runs(q.shape[1], q.shape[3], k_cache.dtype, cache_layout):
+    return cpu_matmul.tree_attention(*args, common.default_scale(q.shape[3], scale))
   return tree_attention_reference(*args, scale=scale, cache_layout=cache_layout)

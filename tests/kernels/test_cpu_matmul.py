@@ -331,3 +331,95 @@ def test_top_p_threshold_errors():
     cpu_matmul.top_p_threshold(jnp.zeros((2, 4)), 1.5)
   with pytest.raises(ValueError, match="float32"):
     cpu_matmul.top_p_threshold(jnp.zeros((2, 4), jnp.bfloat16), 0.5)
+
+
+def _attention_case(batch, num_tree, num_q, num_kv, size, head_dim, cache_dtype, seed=0):
+  rng = np.random.default_rng(seed)
+  normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+  q = jnp.asarray(normal(batch, num_tree, num_q, head_dim))
+  k_cache = jnp.asarray(normal(batch, num_kv, size, head_dim) * 2, cache_dtype)
+  v_cache = jnp.asarray(normal(batch, num_kv, size, head_dim), cache_dtype)
+  k_tree = jnp.asarray(normal(batch, num_tree, num_kv, head_dim))
+  v_tree = jnp.asarray(normal(batch, num_tree, num_kv, head_dim))
+  mask = np.tril(rng.random((batch, num_tree, num_tree)) < 0.6) | np.eye(num_tree, dtype=bool)
+  return q, k_cache, v_cache, k_tree, v_tree, jnp.asarray(mask)
+
+
+@needs_kernel
+@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("batch,num_tree,num_q,num_kv,size,head_dim", [
+    (1, 6, 9, 3, 256, 64), (3, 1, 4, 2, 40, 16), (2, 5, 8, 8, 33, 32), (2, 9, 4, 1, 17, 128),
+    (1, 3, 2, 1, 8, 256)])
+def test_tree_attention_matches_the_reference(cache_dtype, batch, num_tree, num_q, num_kv,
+                                              size, head_dim):
+  """Ragged lengths (0, full, in between), a query row that sees nothing (zeros),
+  and NaN past every row's length (never read)."""
+  from kernels.tree_attention import common, reference  # pylint: disable=import-outside-toplevel
+  q, k_cache, v_cache, k_tree, v_tree, mask = _attention_case(
+      batch, num_tree, num_q, num_kv, size, head_dim, cache_dtype)
+  lengths = jnp.asarray(np.linspace(0, size, batch).round(), jnp.int32)
+  if batch == 1:
+    lengths = jnp.asarray([size - 3], jnp.int32)
+  mask = mask.at[0, 0, 0].set(False)  # row 0 of batch 0: nothing but maybe the cache
+  scale = head_dim ** -0.5
+  want = np.asarray(reference.tree_attention_reference(
+      q, k_cache, v_cache, lengths, k_tree, v_tree, mask, scale=scale,
+      cache_layout=common.HEAD_MAJOR))
+  past = np.arange(size)[None, None, :, None] >= np.asarray(lengths)[:, None, None, None]
+  k_nan = jnp.where(past, jnp.nan, k_cache).astype(cache_dtype)
+  v_nan = jnp.where(past, jnp.nan, v_cache).astype(cache_dtype)
+  got = np.asarray(cpu_matmul.tree_attention(q, k_nan, v_nan, lengths, k_tree, v_tree, mask,
+                                             scale))
+  np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
+  if int(lengths[0]) == 0:
+    np.testing.assert_array_equal(got[0, 0], 0.0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16])
+def test_tree_attention_of_a_path_token_equals_decoding_it_alone(cache_dtype):
+  """Token t of a chain of tree tokens, its ancestors in the tree, gets the bits
+  it gets with the ancestors written to the cache and itself the only new token
+  (what one decoding step computes): verifying a tree is exactly decoding."""
+  batch, num_tree, num_q, num_kv, size, head_dim = 2, 6, 6, 2, 64, 64
+  q, k_cache, v_cache, k_tree, v_tree, _ = _attention_case(
+      batch, num_tree, num_q, num_kv, size, head_dim, cache_dtype, seed=4)
+  k_tree, v_tree = (a.astype(cache_dtype).astype(jnp.float32) for a in (k_tree, v_tree))
+  lengths = jnp.asarray([23, 40], jnp.int32)
+  chain = jnp.asarray(np.tril(np.ones((batch, num_tree, num_tree), bool)))
+  scale = head_dim ** -0.5
+  tree = np.asarray(cpu_matmul.tree_attention(q, k_cache, v_cache, lengths, k_tree, v_tree,
+                                              chain, scale))
+  for t in range(num_tree):
+    k_step, v_step = k_cache, v_cache
+    for j in range(t):  # the ancestors, written at the rows decoding would use
+      rows = (jnp.arange(batch), slice(None), lengths + j)
+      k_step = k_step.at[rows].set(k_tree[:, j].astype(cache_dtype))
+      v_step = v_step.at[rows].set(v_tree[:, j].astype(cache_dtype))
+    step = cpu_matmul.tree_attention(q[:, t:t + 1], k_step, v_step, lengths + t,
+                                     k_tree[:, t:t + 1], v_tree[:, t:t + 1],
+                                     jnp.ones((batch, 1, 1), bool), scale)
+    np.testing.assert_array_equal(tree[:, t], np.asarray(step)[:, 0])
+
+
+@needs_kernel
+def test_tree_attention_derivatives_and_errors():
+  from kernels.tree_attention import common, reference  # pylint: disable=import-outside-toplevel
+  q, k_cache, v_cache, k_tree, v_tree, mask = _attention_case(1, 3, 4, 2, 16, 32, jnp.float32)
+  lengths = jnp.asarray([9], jnp.int32)
+  def loss(fn, q, k_tree):
+    return jnp.sum(jnp.sin(fn(q, k_tree)))
+  kernel = lambda q, kt: cpu_matmul.tree_attention(q, k_cache, v_cache, lengths, kt, v_tree,
+                                                   mask, 0.2)
+  ref = lambda q, kt: reference.tree_attention_reference(
+      q, k_cache, v_cache, lengths, kt, v_tree, mask, scale=0.2,
+      cache_layout=common.HEAD_MAJOR)
+  for got, want in zip(jax.grad(lambda *a: loss(kernel, *a), (0, 1))(q, k_tree),
+                       jax.grad(lambda *a: loss(ref, *a), (0, 1))(q, k_tree)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="hd in"):
+    cpu_matmul.tree_attention(q[..., :24], k_cache[..., :24], v_cache[..., :24], lengths,
+                              k_tree[..., :24], v_tree[..., :24], mask, 0.2)
+  with pytest.raises(Exception, match="tree_attention"):
+    jax.block_until_ready(cpu_matmul.tree_attention(q, k_cache, v_cache, lengths, k_tree[:, :2],
+                                                    v_tree[:, :2], mask, 0.2))
