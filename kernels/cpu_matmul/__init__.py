@@ -363,9 +363,9 @@ def tree_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths
   name, _ = _ATTENTION_TARGETS[jnp.dtype(k_cache.dtype)]
   out = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct(q.shape, jnp.float32),
                          vmap_method="sequential")(
-      q.astype(jnp.float32) * np.float32(scale), k_cache, v_cache,
-      lengths.astype(jnp.int32), k_tree.astype(jnp.float32), v_tree.astype(jnp.float32),
-      tree_mask.astype(jnp.bool_))
+      q.astype(jnp.float32), k_cache, v_cache, lengths.astype(jnp.int32),
+      k_tree.astype(jnp.float32), v_tree.astype(jnp.float32), tree_mask.astype(jnp.bool_),
+      scale=np.float32(scale))
   return out.astype(q.dtype)
 
 

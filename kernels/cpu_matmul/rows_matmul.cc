@@ -749,7 +749,7 @@ ffi::Error TopPThresholds(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
 // ------------------------------------------------------------ tree attention
 // out[b, t, h G + g] = softmax over the cache positions s < lengths[b] and the
 // tree tokens j with mask[b, t, j] of q . k, weighting the values, for the
-// query head h G + g of KV head h (G = Hq / Hkv). q is pre-scaled. One call per
+// query head h G + g of KV head h (G = Hq / Hkv), q scaled by `scale`. One call per
 // layer instead of XLA's score dot, masks, exp, sums and two value dots:
 // those cost ~4 ms of a 6-token pass of the embedded model on the 2-core Zen 3
 // (0.13 ms a layer) and ~1 ms of a one-token pass.
@@ -792,6 +792,7 @@ inline float Dot(const __m256* q, const K* k) {
 
 struct AttentionDims {
   int64_t batch, num_tree, num_q_heads, num_kv_heads, cache_size, head_dim;
+  float scale;  // of q . k
 };
 
 // One query row (batch b, tree token t, query head qh of KV head h).
@@ -801,8 +802,9 @@ void AttendRow(const AttentionDims& d, const float* q, const K* k_cache, const K
                int64_t length, const float* k_tree, const float* v_tree, const bool* mask,
                int64_t b, int64_t t, int64_t h, float* out, float* scores) {
   const int64_t hd = d.head_dim;
-  __m256 qv[V];
-  for (int i = 0; i < V; ++i) qv[i] = _mm256_loadu_ps(q + 8 * i);
+  __m256 qv[V];  // q * scale, rounded as XLA's multiply would round it
+  const __m256 scale = _mm256_set1_ps(d.scale);
+  for (int i = 0; i < V; ++i) qv[i] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * i), scale);
   const K* keys = k_cache + (b * d.num_kv_heads + h) * d.cache_size * hd;
   const K* values = v_cache + (b * d.num_kv_heads + h) * d.cache_size * hd;
   const int64_t tree_stride = d.num_kv_heads * hd;  // between tree tokens
@@ -851,8 +853,8 @@ void AttendRow(const AttentionDims& d, const float* q, const K* k_cache, const K
     const float* value = tree_values + j * tree_stride;
     for (int i = 0; i < V; ++i) acc[i] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + 8 * i), acc[i]);
   }
-  const __m256 scale = _mm256_set1_ps(1.0f / denom);
-  for (int i = 0; i < V; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(acc[i], scale));
+  const __m256 inverse = _mm256_set1_ps(1.0f / denom);
+  for (int i = 0; i < V; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(acc[i], inverse));
 }
 
 // Work items: (batch row, KV head, a chunk of its query rows).
@@ -880,7 +882,7 @@ void AttendAll(ffi::ThreadPool& pool, const AttentionDims& d, const float* q, co
   });
 }
 
-// q [B, T, Hq, hd] (scaled), k_cache / v_cache [B, Hkv, S, hd] (float32 or
+// q [B, T, Hq, hd], k_cache / v_cache [B, Hkv, S, hd] (float32 or
 // bf16), lengths [B], k_tree / v_tree [B, T, Hkv, hd], mask [B, T, T] ->
 // out [B, T, Hq, hd]; hd one of 16, 32, 64, 128, 256.
 template <ffi::DataType KT>
@@ -888,7 +890,7 @@ ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                          ffi::Buffer<KT> k_cache, ffi::Buffer<KT> v_cache,
                          ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::F32> k_tree,
                          ffi::Buffer<ffi::F32> v_tree, ffi::Buffer<ffi::PRED> mask,
-                         ffi::ResultBuffer<ffi::F32> out) {
+                         ffi::ResultBuffer<ffi::F32> out, float scale) {
   using K = std::conditional_t<KT == ffi::F32, float, uint16_t>;
   auto qd = q.dimensions();
   auto kd = k_cache.dimensions();
@@ -904,7 +906,7 @@ ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     return ffi::Error::InvalidArgument(
         "tree_attention: expected q [B, T, Hq, hd], caches [B, Hkv, S, hd], lengths [B], "
         "tree keys/values [B, T, Hkv, hd] and mask [B, T, T]");
-  const AttentionDims d{qd[0], qd[1], qd[2], kd[1], kd[2], qd[3]};
+  const AttentionDims d{qd[0], qd[1], qd[2], kd[1], kd[2], qd[3], scale};
   if (d.batch == 0 || d.num_tree == 0) return ffi::Error::Success();
   const K* kc = reinterpret_cast<const K*>(k_cache.untyped_data());
   const K* vc = reinterpret_cast<const K*>(v_cache.untyped_data());
@@ -972,7 +974,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DartTopPThreshold, TopPThresholds,
                                     .Arg<ffi::Buffer<ffi::F32>>()            \
                                     .Arg<ffi::Buffer<ffi::F32>>()            \
                                     .Arg<ffi::Buffer<ffi::PRED>>()           \
-                                    .Ret<ffi::Buffer<ffi::F32>>());
+                                    .Ret<ffi::Buffer<ffi::F32>>()            \
+                                    .Attr<float>("scale"));
 
 DART_TREE_ATTENTION(DartTreeAttentionF32, ffi::F32)
 DART_TREE_ATTENTION(DartTreeAttentionBF16, ffi::BF16)

@@ -12,6 +12,7 @@ from dart_jax.models import layers
 from dart_jax.models import target as target_lib
 from dart_jax.models.transformer import KVCache
 from kernels.tree_attention import HEAD_MAJOR, TOKEN_MAJOR
+from kernels.tree_attention.ops import cpu_kernel_runs
 
 CONFIGS = {
     "llama_gqa": ModelConfig(arch="llama", vocab_size=101, hidden_size=48,
@@ -237,3 +238,29 @@ def test_rope_tables_are_computed_once_per_pass():
   angles = positions[..., None].astype(np.float32) * inv_freq
   np.testing.assert_allclose(np.asarray(cos), np.cos(angles), atol=2e-6)
   np.testing.assert_allclose(np.asarray(sin), np.sin(angles), atol=2e-6)
+
+
+@pytest.mark.skipif(not cpu_kernel_runs(4, 16, jnp.float32, HEAD_MAJOR),
+                    reason="needs the CPU attention kernel")
+def test_verifying_a_path_gives_decodings_bits():
+  """Where the CPU kernels run (M-invariant dense layers, attention row by row in
+  position order), a chain of tree tokens verified in one pass gets exactly the
+  logits of decoding its tokens one by one: speculative decoding is lossless by
+  construction there, not up to rounding."""
+  t = Target.init(CONFIGS["qwen3"], seed=2)
+  rng = np.random.RandomState(5)
+  batch, prefix, n = 2, 7, 5
+  tokens = jnp.asarray(rng.randint(0, 101, (batch, prefix + n)), jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(prefix + n), (batch, prefix + n))
+  out = t.forward(tokens[:, :prefix], positions[:, :prefix], t.new_cache(batch, 32),
+                  causal_mask(batch, prefix))
+  start = out.cache.replace(lengths=jnp.full((batch,), prefix, jnp.int32))
+  copy = lambda cache: jax.tree.map(jnp.copy, cache)  # forward donates its cache
+  verify = t.forward(tokens[:, prefix:], positions[:, prefix:], copy(start),
+                     causal_mask(batch, n), attend_len=16).logits
+  cache = start
+  for i in range(n):
+    step = t.forward(tokens[:, prefix + i:prefix + i + 1], positions[:, prefix + i:prefix + i + 1],
+                     cache, jnp.ones((batch, 1, 1), bool), attend_len=16)
+    cache = step.cache.replace(lengths=step.cache.lengths + 1)
+    np.testing.assert_array_equal(np.asarray(step.logits[:, 0]), np.asarray(verify[:, i]))
