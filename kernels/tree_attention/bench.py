@@ -5,9 +5,11 @@
 On TPU / GPU it times the backend's kernel (``impl="auto"``) against the XLA
 reference at decode / tree-verify / prefill shapes: median milliseconds of
 alternating runs (kernel, XLA, kernel, ...), so drifts in clock or load hit
-both. On CPU there is no kernel to time: each kernel runs once in Pallas
-interpret mode on reduced shapes for correctness only, and only the XLA path is
-timed.
+both. On CPU each Pallas kernel runs once in interpret mode on reduced shapes
+for correctness only, and the CPU's own kernel (``cpu_fused``: the fused FFI
+call ``impl="xla"`` takes for head-major caches, ``kernels.cpu_matmul``) is
+timed against the XLA reference on the same head-major caches, at the embedded
+SmolLM2's attention shapes.
 """
 
 import argparse
@@ -20,8 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels.tree_attention import common
 from kernels.tree_attention import ops
 from kernels.tree_attention.reference import tree_attention_reference
+
+CPU_FUSED = "cpu_fused"  # the CPU FFI kernel, timed on head-major caches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +58,13 @@ CPU_SHAPES = (
     Shape("verify_t61", 1, 61, 512, 8, 2, 64, 0.5),
     Shape("verify_t61_b2", 2, 61, 256, 6, 2, 64, 0.5),
     Shape("prefill_64", 1, 64, 256, 4, 4, 32, 0.0, causal=True),
+)
+# CPU, the fused kernel: SmolLM2-135M's attention (9 query / 3 KV heads of 64).
+CPU_FUSED_SHAPES = (
+    Shape("smollm2_decode", 1, 1, 512, 9, 3, 64, 0.4),
+    Shape("smollm2_verify_t6", 1, 6, 512, 9, 3, 64, 0.4),
+    Shape("smollm2_verify_t33", 1, 33, 512, 9, 3, 64, 0.4),
+    Shape("smollm2_decode_b64", 64, 1, 512, 9, 3, 64, 0.5),
 )
 
 
@@ -90,17 +102,26 @@ def _time_ms(fn, args) -> float:
 
 
 def bench_shape(shape: Shape, dtype: jnp.dtype, impl: str, reps: int, on_cpu: bool):
-  """Returns (xla_ms, kernel_ms or None, max |kernel - xla|)."""
+  """Returns (xla_ms, kernel_ms or None, max |kernel - xla|). ``impl`` CPU_FUSED
+  compares on head-major caches; Pallas kernels on CPU run once (interpret)."""
   args = make_inputs(shape, dtype)
-  xla = jax.jit(tree_attention_reference)
-  kernel = jax.jit(functools.partial(ops.tree_attention, impl=impl, interpret=on_cpu))
+  if impl == CPU_FUSED:
+    q, k_cache, v_cache, *rest = args
+    args = (q, k_cache.swapaxes(1, 2), v_cache.swapaxes(1, 2), *rest)  # head-major
+    xla = jax.jit(functools.partial(tree_attention_reference, cache_layout=common.HEAD_MAJOR))
+    kernel = jax.jit(functools.partial(ops.tree_attention, impl="xla",
+                                       cache_layout=common.HEAD_MAJOR))
+  else:
+    xla = jax.jit(tree_attention_reference)
+    kernel = jax.jit(functools.partial(ops.tree_attention, impl=impl, interpret=on_cpu))
+  timed = impl == CPU_FUSED or not on_cpu
   expected = jax.block_until_ready(xla(*args))
   out = jax.block_until_ready(kernel(*args))  # Compiles (and checks) the kernel.
   err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - expected.astype(jnp.float32))))
   xla_ms, kernel_ms = [], []
   for _ in range(reps):
     xla_ms.append(_time_ms(xla, args))
-    if not on_cpu:
+    if timed:
       kernel_ms.append(_time_ms(kernel, args))
   return (statistics.median(xla_ms), statistics.median(kernel_ms) if kernel_ms else None,
           err)
@@ -123,11 +144,17 @@ def main(argv=None):
     wanted = set(args.shapes.split(","))
     shapes = tuple(s for s in shapes if s.name in wanted)
   dtype = jnp.dtype(args.dtype)
-  kernels = [impl]
+  runs = [(shape, impl) for shape in shapes]
   if on_cpu:
-    kernels = ["pallas_tpu", "pallas_gpu"] if args.impl == "auto" else [impl]
-    print("CPU backend: kernels run in Pallas interpret mode for correctness only; "
-          "only the XLA path is timed (ms are CPU times, not device times).")
+    pallas = ["pallas_tpu", "pallas_gpu"] if args.impl == "auto" else [impl]
+    runs = [(shape, name) for shape in shapes for name in pallas if name != "xla"]
+    if args.impl in ("auto", "xla") and ops.cpu_kernel_runs(1, 64, dtype, common.HEAD_MAJOR):
+      fused = CPU_FUSED_SHAPES
+      if args.shapes:
+        fused = tuple(s for s in fused if s.name in set(args.shapes.split(",")))
+      runs += [(shape, CPU_FUSED) for shape in fused]
+    print("CPU backend: Pallas kernels run in interpret mode for correctness only (XLA "
+          f"timed beside them); {CPU_FUSED} is the CPU's FFI kernel, timed.")
   print(f"backend={backend} ({jax.devices()[0].device_kind}) dtype={dtype.name} "
         f"reps={args.reps} (median of alternating runs)")
   header = (f"{'shape':20s} {'B':>3s} {'T':>4s} {'S':>6s} {'Hq/Hkv':>7s} {'hd':>4s} "
@@ -135,16 +162,14 @@ def main(argv=None):
             f"{'max err':>9s}")
   print(header)
   print("-" * len(header))
-  for shape in shapes:
-    for kernel_impl in kernels:
-      xla_ms, kernel_ms, err = bench_shape(shape, dtype, kernel_impl, args.reps, on_cpu)
-      kernel_col = "interpret" if kernel_ms is None else f"{kernel_ms:.3f}"
-      speed_col = "-" if kernel_ms is None else f"{xla_ms / kernel_ms:.2f}x"
-      print(f"{shape.name:20s} {shape.batch:3d} {shape.num_tree:4d} "
-            f"{shape.cache_size:6d} {shape.num_q_heads:3d}/{shape.num_kv_heads:<3d} "
-            f"{shape.head_dim:4d} {kernel_impl:>11s} {xla_ms:9.3f} {kernel_col:>10s} "
-            f"{speed_col:>8s} {err:9.2e}", flush=True)
-
+  for shape, kernel_impl in runs:
+    xla_ms, kernel_ms, err = bench_shape(shape, dtype, kernel_impl, args.reps, on_cpu)
+    kernel_col = "interpret" if kernel_ms is None else f"{kernel_ms:.3f}"
+    speed_col = "-" if kernel_ms is None else f"{xla_ms / kernel_ms:.2f}x"
+    print(f"{shape.name:20s} {shape.batch:3d} {shape.num_tree:4d} "
+          f"{shape.cache_size:6d} {shape.num_q_heads:3d}/{shape.num_kv_heads:<3d} "
+          f"{shape.head_dim:4d} {kernel_impl:>11s} {xla_ms:9.3f} {kernel_col:>10s} "
+          f"{speed_col:>8s} {err:9.2e}", flush=True)
 
 if __name__ == "__main__":
   main()

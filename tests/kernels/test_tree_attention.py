@@ -237,3 +237,39 @@ def test_cpu_cache_scores_use_the_rows_kernel_and_do_not_depend_on_the_other_que
   np.testing.assert_array_equal(scores[:, :, :, 3:4], alone)
   want = np.einsum("btkgd,bksd->bkgts", np.asarray(qg, np.float64), np.asarray(keys, np.float64))
   np.testing.assert_allclose(scores, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.skipif(not ops.cpu_kernel_runs(1, 64, jnp.float32, common.HEAD_MAJOR),
+                    reason="needs the CPU attention kernel")
+def test_xla_impl_on_cpu_takes_the_fused_kernel_only_where_it_applies():
+  """Head-major caches with at most CPU_KERNEL_MAX_TREE new tokens and a head size
+  it unrolls: one FFI call; prefill-sized calls, token-major caches and other head
+  sizes: the XLA reference. Both give the reference's numbers."""
+  def ffi_calls(num_tree, head_dim, layout):
+    args = random_inputs(1, num_tree, 4, 2, head_dim, 80, [30])
+    if layout == common.HEAD_MAJOR:
+      args = (args[0], args[1].transpose(0, 2, 1, 3), args[2].transpose(0, 2, 1, 3),
+              *args[3:])
+    fn = jax.jit(lambda *a: tree_attention(*a, impl="xla", cache_layout=layout))
+    out = fn(*args)
+    want = tree_attention_reference(*args, cache_layout=layout)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-6, rtol=2e-6)
+    return fn.lower(*args).as_text().count("dart_tree_attention")
+  assert ffi_calls(6, 64, common.HEAD_MAJOR) == 1
+  assert ffi_calls(ops.CPU_KERNEL_MAX_TREE + 1, 64, common.HEAD_MAJOR) == 0
+  assert ffi_calls(6, 64, common.TOKEN_MAJOR) == 0
+  assert ffi_calls(6, 24, common.HEAD_MAJOR) == 0
+
+
+@pytest.mark.skipif(not ops.cpu_kernel_runs(1, 64, jnp.float32, common.HEAD_MAJOR),
+                    reason="needs the CPU attention kernel")
+def test_bench_times_the_cpu_kernel(capsys):
+  from kernels.tree_attention import bench  # pylint: disable=import-outside-toplevel
+  bench.main(["--reps", "2", "--dtype", "float32",
+              "--shapes", "smollm2_decode,smollm2_verify_t6"])
+  rows = [line.split() for line in capsys.readouterr().out.splitlines()
+          if line.startswith("smollm2_")]
+  assert [r[0] for r in rows] == ["smollm2_decode", "smollm2_verify_t6"]
+  for row in rows:
+    assert row[6] == bench.CPU_FUSED and float(row[8]) > 0 and row[9].endswith("x")
+    assert float(row[10]) < 1e-5  # max |kernel - reference|
