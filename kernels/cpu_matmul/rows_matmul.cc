@@ -38,7 +38,6 @@
 #include <functional>
 #include <memory>
 #include <thread>
-#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -911,11 +910,10 @@ ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const K* kc = reinterpret_cast<const K*>(k_cache.untyped_data());
   const K* vc = reinterpret_cast<const K*>(v_cache.untyped_data());
   const bool* mp = reinterpret_cast<const bool*>(mask.untyped_data());
-  const auto args = std::make_tuple(q.typed_data(), kc, vc, lengths.typed_data(),
-                                    k_tree.typed_data(), v_tree.typed_data(), mp,
-                                    out->typed_data());
-  auto run = [&](auto v) {
-    std::apply([&](auto... a) { AttendAll<decltype(v)::value, K>(pool, d, a...); }, args);
+  auto run = [&](auto vectors) {  // hd / 8, a compile-time constant
+    AttendAll<decltype(vectors)::value, K>(pool, d, q.typed_data(), kc, vc,
+                                           lengths.typed_data(), k_tree.typed_data(),
+                                           v_tree.typed_data(), mp, out->typed_data());
   };
   switch (d.head_dim) {
     case 16: run(std::integral_constant<int, 2>{}); break;
