@@ -460,10 +460,11 @@ def draft_block(target_model, drafter: DFlashModule, root: jax.Array, cache: KVC
 
 # Released tensor name for each NNX state path of ``DFlashModule``.
 _RELEASED_NAME_RULES = (
-    (r"fc/(kernel|weight)", "fc.weight"),
+    (r"fc/(kernel|weight|panels)", "fc.weight"),
     (r"hidden_norm/scale", "hidden_norm.weight"),
     (r"norm/scale", "norm.weight"),
-    (r"layers/(\d+)/(self_attn|mlp)/(\w+_proj)/(kernel|weight)", r"layers.\1.\2.\3.weight"),
+    (r"layers/(\d+)/(self_attn|mlp)/(\w+_proj)/(kernel|weight|panels)",
+     r"layers.\1.\2.\3.weight"),
     (r"layers/(\d+)/self_attn/(q_norm|k_norm)/scale", r"layers.\1.self_attn.\2.weight"),
     (r"layers/(\d+)/(\w+_layernorm)/scale", r"layers.\1.\2.weight"),
     (r"prefix_gru/input_kernel", "prefix_gru.weight_ih_l0"),

@@ -186,18 +186,19 @@ def weight_layout(precision: Precision, out_features: int) -> str:
 
   "kernel": ``kernel [in, out]`` (the uniform modes); "weight": ``weight [out, in]``
   (``precision.transposed_weights``); "panels": ``panels [out / 8, in, 8]``, bf16,
-  for the ``fast`` mode (the target's exact mode) where ``panel_weights_active()``.
+  for the ``fast`` and ``fast-rows`` modes where ``panel_weights_active()``.
 
   Why panels: with ``[out, in]`` rows the CPU kernel's tree-sized calls are bound
   by their FMAs (a dot per output, an x load per FMA, a lane sum per output); the
   panel form broadcasts x against 8 outputs per FMA. A 7-token pass of the
   embedded model (2-core Zen 3, one process alternating) fell from 36.0 to 27.9
   ms, a one-token pass from 16.8 to 16.2 ms (``kernels/README.md``). Drafters
-  (``fast-rows``) and MoE experts keep ``[out, in]``.
+  (``fast-rows``) call the same kernel with as many rows (the DART head: 6-11
+  per round), so they use panels too; MoE experts keep ``[out, in]``.
   """
   if not precision.transposed_weights:
     return "kernel"
-  if (precision.dot == "split3" and jnp.dtype(precision.weight_dtype) == jnp.bfloat16
+  if (precision.dot in ("split3", "rows") and jnp.dtype(precision.weight_dtype) == jnp.bfloat16
       and out_features % cpu_matmul.PANEL == 0 and panel_weights_active()):
     return "panels"
   return "weight"

@@ -246,14 +246,15 @@ def test_panel_dots_are_bitwise_the_same_for_one_token_and_a_tree_and_exact():
                              rtol=0, atol=1e-5 * np.abs(exact).max() * 10)
 
 
-def test_only_the_fast_mode_stores_panels_and_the_switches_turn_them_off(monkeypatch):
+def test_only_the_bf16_weight_modes_store_panels_and_the_switches_turn_them_off(monkeypatch):
   monkeypatch.setattr(precision, "cpu_kernel_active", lambda: True)
   monkeypatch.setattr(precision.cpu_matmul, "amx_active", lambda: False)
   monkeypatch.setattr(precision.jax, "device_count", lambda: 1)
   monkeypatch.delenv(precision.PANELS_ENV_SWITCH, raising=False)
   assert precision.weight_layout(FAST, 64) == "panels"
   assert precision.weight_layout(FAST, 60) == "weight"  # not a multiple of 8
-  assert precision.weight_layout(FAST_ROWS, 64) == "weight"  # drafters
+  assert precision.weight_layout(FAST_ROWS, 64) == "panels"  # drafters
+  assert precision.weight_layout(FAST_ROWS, 60) == "weight"
   assert precision.weight_layout(FLOAT32, 64) == "kernel"
   with precision.panel_weights(False):
     assert precision.weight_layout(FAST, 64) == "weight"
