@@ -9,7 +9,7 @@ from safetensors.numpy import load_file, save_file
 
 import dart_jax as dj
 from dart_jax.draft.dart_head import DartHead
-from dart_jax.models import ModelConfig, Target
+from dart_jax.models import ModelConfig, Target, precision
 from dart_jax.models.transformer import KVCache
 
 TINY = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=48,
@@ -184,12 +184,14 @@ def test_draft_vocab_mapping(target):
 
 @pytest.mark.parametrize("mode", ["fast", "fast-rows"])
 def test_loads_and_saves_in_the_bf16_modes(tmp_path, target, mode):
-  """A head loads in either CPU bf16 mode (``fast`` stores its dense layers as
-  panels where the kernel runs) and saves back the reference tensors, rounded
-  to bf16."""
+  """A head loads in either CPU bf16 mode (both store their dense layers as
+  panels where the kernel's panel form runs) and saves back the reference
+  tensors, rounded to bf16."""
   rng = np.random.default_rng(1)
   ref = _reference_dir(tmp_path / "ref", rng)
   head = dj.load_dart(tmp_path / "ref", target, dtype=mode)
+  fc = head.module().fc  # 32 outputs: a whole number of panels
+  assert fc.layout == ("panels" if precision.panel_weights_active() else "weight")
   dj.save_dart(head, tmp_path / "out")
   back = load_file(str(tmp_path / "out" / "model.safetensors"))
   assert set(back) == set(ref)
