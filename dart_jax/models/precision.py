@@ -33,8 +33,8 @@ AVX512-BF16 alone, as on AMD Zen 4) XLA:CPU has no fast bf16 path and its
 float32 dot grows steeply from one row to two; the kernel's AVX2 + FMA loop does
 float32 math on the stored weights. With AMX-BF16 the kernel runs bf16 weights
 on the tile unit (the split3 parts as tile columns), faster at those sizes than
-XLA's own AMX dot. Without AMX the ``fast`` mode stores its dense matrices as
-panels ``[out / 8, in, 8]`` for the kernel's panel form (``weight_layout``),
+XLA's own AMX dot. Without AMX the ``fast`` and ``fast-rows`` modes store their
+dense matrices as panels ``[out / 8, in, 8]`` for the kernel's panel form (``weight_layout``),
 which makes tree-sized calls far cheaper there. Longer calls (prefill
 of long prompts, training features) widen bf16 weights to float32 and run XLA's
 float32 dot, which is as fast there (``_widens_weights``); the ``rows`` form
