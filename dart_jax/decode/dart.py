@@ -11,7 +11,6 @@ corrected methods.
 """
 
 import dataclasses
-import functools
 from typing import Any
 
 import flax.struct
@@ -29,7 +28,7 @@ from dart_jax.models.target import Target
 from dart_jax.models.transformer import KVCache
 from dart_jax.ngram.context import ContextNGram, ContextNGramConfig
 from dart_jax.sampling import SamplingConfig
-from dart_jax.tree import Tree, TreeConfig, dart_search
+from dart_jax.tree import Tree, TreeConfig, level_candidates, search_batch
 from dart_jax.tree.dartree import (CORRECTED_METHODS, DARTreeConfig, dartree_build,
                                    num_tree_nodes)
 
@@ -71,10 +70,9 @@ def search_trees(draft_logits, history, root_pos, ngram, d2t, tree_config: TreeC
   """Batched DART tree search -> a batched ``Tree``; ``context`` (one row per
   sequence) adds the context N-gram to the search."""
   window, window_len = context_window(history, root_pos, context_size)
-  search = functools.partial(dart_search, config=tree_config)
-  return jax.vmap(lambda lg, ctx, n, table: search(lg, ctx, ngram, d2t=d2t, context_len=n,
-                                                   context_ngram=table))(
-      draft_logits, window, window_len, context)
+  tokens, log_probs = jax.vmap(lambda lg: level_candidates(lg, tree_config, d2t))(
+      draft_logits)
+  return search_batch(tokens, log_probs, window, ngram, tree_config, window_len, context)
 
 
 @dataclasses.dataclass(frozen=True)

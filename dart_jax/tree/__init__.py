@@ -4,11 +4,12 @@
 """
 
 from dart_jax.tree.config import TreeConfig
-from dart_jax.tree.dart_search import dart_search, level_candidates, search_candidates
+from dart_jax.tree.dart_search import (dart_search, level_candidates, search_batch,
+                                       search_candidates)
 from dart_jax.tree.structure import Tree, build_tree, tree_valid
 
 __all__ = ["TreeConfig", "Tree", "build_tree", "dart_search",
-           "level_candidates", "search_candidates", "tree_valid"]
+           "level_candidates", "search_batch", "search_candidates", "tree_valid"]
 
 from dart_jax.draft.correction import CorrectionHead  # the builders' input (its home)
 from dart_jax.tree.dartree import (TREE_METHODS, DARTreeConfig, dartree_build, level_widths,

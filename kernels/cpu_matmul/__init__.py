@@ -33,7 +33,10 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-SOURCE = pathlib.Path(__file__).with_name("rows_matmul.cc")
+SOURCES = (pathlib.Path(__file__).with_name("rows_matmul.cc"),
+           pathlib.Path(__file__).with_name("dart_search.cc"))
+"""The C++ files compiled into the one library (dense dots, attention, sampling
+scans; DART's tree search)."""
 ENV_SWITCH = "DART_JAX_CPU_MATMUL"
 AMX_ENV_SWITCH = "DART_JAX_CPU_AMX"
 _TARGETS = {  # weight dtype -> (FFI target name, library symbol)
@@ -43,6 +46,8 @@ _TARGETS = {  # weight dtype -> (FFI target name, library symbol)
 _PANELS_TARGET = ("dart_panels_matmul_bf16", "DartPanelsMatmulBF16")
 _ARGMAX_TARGET = ("dart_rows_argmax", "DartRowsArgmax")
 _TOP_P_TARGET = ("dart_top_p_threshold", "DartTopPThreshold")
+_SEARCH_TARGET = ("dart_search_tree", "DartSearchTreeCpu")
+_CONTEXT_INSERT_TARGET = ("dart_context_insert", "DartContextInsertCpu")
 _ATTENTION_TARGETS = {  # cache dtype -> (FFI target name, library symbol)
     jnp.dtype(jnp.float32): ("dart_tree_attention_f32", "DartTreeAttentionF32"),
     jnp.dtype(jnp.bfloat16): ("dart_tree_attention_bf16", "DartTreeAttentionBF16"),
@@ -126,12 +131,13 @@ def compile_flags() -> list[str]:
 
 
 def build(compiler: str) -> pathlib.Path:
-  """Compiles ``rows_matmul.cc`` (once per source, flags, jaxlib and compiler)
-  and returns the shared library's path. Raises ``RuntimeError`` with the
-  compiler's output on failure."""
+  """Compiles ``SOURCES`` into one library (once per source, flags, jaxlib and
+  compiler) and returns the shared library's path. Raises ``RuntimeError`` with
+  the compiler's output on failure."""
   import jaxlib  # pylint: disable=import-outside-toplevel
   flags = compile_flags()
-  key = hashlib.sha256(SOURCE.read_bytes() + jaxlib.__version__.encode()
+  sources = b"".join(source.read_bytes() for source in SOURCES)
+  key = hashlib.sha256(sources + jaxlib.__version__.encode()
                        + compiler.encode() + " ".join(flags).encode()).hexdigest()[:16]
   out = _cache_dir() / f"rows_matmul-{key}.so"
   if out.exists():
@@ -141,7 +147,7 @@ def build(compiler: str) -> pathlib.Path:
   with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
     partial = pathlib.Path(tmp) / out.name
     cmd = [compiler, "-O3", *flags, "-std=c++17", "-shared", "-fPIC", "-w",
-           f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(partial)]
+           f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(partial)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
       raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
@@ -166,7 +172,8 @@ def available() -> bool:
   try:
     library = ctypes.cdll.LoadLibrary(str(build(compiler)))
     for name, symbol in (*_TARGETS.values(), *_ATTENTION_TARGETS.values(), _PANELS_TARGET,
-                         _ARGMAX_TARGET, _TOP_P_TARGET):
+                         _ARGMAX_TARGET, _TOP_P_TARGET, _SEARCH_TARGET,
+                         _CONTEXT_INSERT_TARGET):
       jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)),
                                   platform="cpu")
     _enable_amx(library)
@@ -327,6 +334,54 @@ def top_p_threshold(logits: jax.Array, top_p: float) -> jax.Array:
                   top_p=np.float32(top_p))[..., None]
 
 
+def dart_search_tree(tokens: jax.Array, log_probs: jax.Array, context: jax.Array,
+                     context_len: jax.Array, table: tuple[jax.Array, jax.Array, jax.Array],
+                     context_table: tuple[jax.Array, jax.Array], weights: jax.Array, *,
+                     num_nodes: int, **attrs) -> tuple[jax.Array, ...]:
+  """DART's beam search for a batch in one FFI call (``dart_search.cc``); call only
+  when ``available()``. ``dart_jax.tree.dart_search.search_batch`` prepares the
+  arguments and is the API.
+
+  tokens: int32 [B, L, k] candidates per level; log_probs: float32 [B, L, k];
+  context: int32 [B, C]; context_len: int32 [B]; table: the corpus N-gram's
+  (keys int32 [K, 2], counts int32 [K], bucket starts int32 [...]); context_table:
+  (keys uint32 [B, S], values int32 [B, S]); weights: float32 [2L] level weights
+  then logit weights; num_nodes: N, the node budget; attrs: the search's static
+  settings (see ``dart_search.cc``). Returns (tokens [B, N+1], parents, depth,
+  scores, mask [B, N+1, N+1], paths [B, N, L+1], num_leaves [B]).
+  """
+  batch, levels, _ = tokens.shape
+  size = num_nodes + 1
+  shapes = (jax.ShapeDtypeStruct((batch, size), jnp.int32),
+            jax.ShapeDtypeStruct((batch, size), jnp.int32),
+            jax.ShapeDtypeStruct((batch, size), jnp.int32),
+            jax.ShapeDtypeStruct((batch, size), jnp.float32),
+            jax.ShapeDtypeStruct((batch, size, size), jnp.bool_),
+            jax.ShapeDtypeStruct((batch, num_nodes, levels + 1), jnp.int32),
+            jax.ShapeDtypeStruct((batch,), jnp.int32))
+  return jax.ffi.ffi_call(_SEARCH_TARGET[0], shapes, vmap_method="sequential")(
+      tokens, log_probs, context, context_len, *table, *context_table, weights, **attrs)
+
+
+def context_insert(keys: jax.Array, values: jax.Array, new_keys: jax.Array,
+                   new_values: jax.Array, valid: jax.Array, *, probes: int,
+                   add: bool) -> tuple[jax.Array, jax.Array]:
+  """``dart_jax.ngram.context``'s row inserts for a batch in one FFI call; call only
+  when ``available()``.
+
+  keys: uint32 [B, S] (S a power of two); values: int32 [B, S]; new_keys: uint32
+  [B, n]; new_values: int32 [B, n]; valid: bool [B, n]. Returns the updated
+  (keys, values), bit-identical to ``_insert_row``'s (the same claim rounds).
+  """
+  shapes = (jax.ShapeDtypeStruct(keys.shape, jnp.uint32),
+            jax.ShapeDtypeStruct(values.shape, jnp.int32))
+  return jax.ffi.ffi_call(_CONTEXT_INSERT_TARGET[0], shapes, vmap_method="sequential",
+                          input_output_aliases={0: 0, 1: 1})(
+      keys.astype(jnp.uint32), values.astype(jnp.int32), new_keys.astype(jnp.uint32),
+      new_values.astype(jnp.int32), valid.astype(jnp.bool_), probes=int(probes),
+      add=int(add))
+
+
 def _tree_attention_reference(q, k_cache, v_cache, lengths, k_tree, v_tree, tree_mask,
                               scale):
   # Imported here: kernels.tree_attention imports this module.
@@ -376,7 +431,7 @@ def _tree_attention_jvp(scale, primals, tangents):
   return value, tangent
 
 
-__all__ = ["tree_attention", "ATTENTION_HEAD_DIMS", "rows_matmul", "rows_argmax", "top_p_threshold", "panels_matmul",
+__all__ = ["tree_attention", "dart_search_tree", "context_insert", "ATTENTION_HEAD_DIMS", "rows_matmul", "rows_argmax", "top_p_threshold", "panels_matmul",
            "panels_matmul_reference", "to_panels", "from_panels", "PANEL",
            "rows_matmul_reference", "available", "amx_active", "cpu_flags",
            "cpu_supports_kernel", "cpu_supports_amx_path", "cpu_has_bf16_matrix_unit",

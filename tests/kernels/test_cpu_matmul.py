@@ -212,7 +212,7 @@ def test_a_failed_build_says_why(monkeypatch, tmp_path):
   if compiler is None:
     pytest.skip("no C++ compiler")
   monkeypatch.setenv("DART_JAX_CACHE", str(tmp_path))
-  monkeypatch.setattr(cpu_matmul, "SOURCE", tmp_path / "broken.cc")
+  monkeypatch.setattr(cpu_matmul, "SOURCES", (tmp_path / "broken.cc",))
   (tmp_path / "broken.cc").write_text("this is not C++\n")
   with pytest.raises(RuntimeError, match="failed"):
     cpu_matmul.build(compiler)

@@ -1,16 +1,22 @@
 """The context N-gram counts what a plain Python count gives, and the search uses it."""
 
 import collections
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dart_jax.errors import ConfigError
+from dart_jax.errors import ConfigError, InputError
+from dart_jax.models import precision
 from dart_jax.ngram import NGram
 from dart_jax.ngram.context import ContextNGram, ContextNGramConfig
-from dart_jax.tree import TreeConfig, dart_search
+from dart_jax.tree import TreeConfig, dart_search, level_candidates, search_batch
+from kernels import cpu_matmul
+
+needs_kernel = pytest.mark.skipif(not cpu_matmul.available(),
+                                  reason="the CPU kernels are not built here")
 
 
 def _counts(seq, width):
@@ -167,3 +173,81 @@ def test_the_copy_prediction_enters_the_tree():
     at_root = tokens[(depth == 1) & (parents == 0)].tolist()
     assert (14 in at_root) == expect, (inject, weight, at_root)
     assert len(set(at_root)) == len(at_root)  # an injected token is never a duplicate
+
+
+@functools.partial(jax.jit, static_argnames=("kernel", "max_count"))
+def _add_with(table, history, start, count, kernel, max_count):
+  with precision.cpu_kernel(kernel):
+    return table.add(history, start, count, max_count=max_count)
+
+
+@needs_kernel
+@pytest.mark.parametrize("probes", [16, 2, 1])
+def test_kernel_inserts_give_the_xla_tables_bit_for_bit(probes):
+  """The kernel runs `_insert_row`'s claim rounds step for step: the same slots,
+  the same drops when a probe window is full (1-2 probes force some)."""
+  config = ContextNGramConfig(probes=probes)
+  rng = np.random.default_rng(probes)
+  batch, length = 3, 96
+  history = jnp.asarray(np.minimum(rng.zipf(1.3, size=(batch, length)) - 1, 30), jnp.int32)
+  tables = {kernel: ContextNGram.empty(batch, length, config) for kernel in (True, False)}
+  prompt = jnp.asarray([20, 1, 40], jnp.int32)  # a prompt, then rounds of 0..6 tokens
+  tables = {k: _add_with(t, history, jnp.ones(batch, jnp.int32), prompt, k, 48)
+            for k, t in tables.items()}
+  pos = 1 + prompt
+  for _ in range(8):
+    count = jnp.asarray(rng.integers(0, 7, batch), jnp.int32)
+    tables = {k: _add_with(t, history, pos, count, k, 6) for k, t in tables.items()}
+    pos = pos + count
+  np.testing.assert_array_equal(tables[True].keys, tables[False].keys)
+  np.testing.assert_array_equal(tables[True].values, tables[False].values)
+  assert int((tables[True].keys != 0).sum()) > 100
+
+
+@functools.partial(jax.jit, static_argnames=("config", "kernel"))
+def _batch_trees(logits, context, context_len, ngram, table, config, kernel):
+  tokens, log_probs = jax.vmap(lambda lg: level_candidates(lg, config))(logits)
+  with precision.cpu_kernel(kernel):
+    return search_batch(tokens, log_probs, context, ngram, config, context_len, table)
+
+
+@needs_kernel
+@pytest.mark.parametrize("config,context_config", [
+    (TreeConfig(topk=5, beam_width=5, remain_total=5, eos_id=2), ContextNGramConfig()),
+    (TreeConfig(topk=8, beam_width=16, remain_total=40, ngram_weight=1.0, eos_id=3),
+     ContextNGramConfig(inject=False)),
+    (TreeConfig(topk=3, beam_width=2, remain_total=30),
+     ContextNGramConfig(max_order=3, min_order=2, weight=0.5)),
+], ids=["shipped", "wide-no-inject", "order3-half"])
+def test_the_kernel_search_with_a_context_table_matches_xla(config, context_config):
+  """The context N-gram's terms (beyond the reference) in the kernel's search:
+  the same trees as the XLA search, scores within float rounding."""
+  rng = np.random.default_rng(7)
+  corpus = [np.minimum(rng.zipf(1.4, size=200) - 1, 99).tolist() for _ in range(20)]
+  ngram = NGram.build(corpus, order=3).to_table()
+  batch, width, levels, cases, differ = 2, 8, 6, 12, 0
+  for _ in range(cases):
+    history = jnp.asarray(np.minimum(rng.zipf(1.3, size=(batch, 64)) - 1, 99), jnp.int32)
+    table = _add_with(ContextNGram.empty(batch, 64, context_config), history,
+                      jnp.ones(batch, jnp.int32), jnp.full((batch,), 63, jnp.int32),
+                      True, 64)
+    logits = jnp.asarray(rng.normal(size=(batch, levels, 100)).astype(np.float32) * 2)
+    context = history[:, -width:]
+    context_len = jnp.asarray(rng.integers(1, width + 1, batch), jnp.int32)
+    got, want = (_batch_trees(logits, context, context_len, ngram, table, config, kernel)
+                 for kernel in (True, False))
+    same = all(np.array_equal(getattr(got, f), getattr(want, f)) for f in
+               ("tokens", "parents", "depth", "mask", "paths", "num_leaves", "num_nodes"))
+    differ += not same
+    if same:
+      np.testing.assert_allclose(got.scores, want.scores, rtol=1e-5, atol=1e-5)
+  assert differ <= cases // 10, differ
+
+
+@needs_kernel
+def test_the_kernel_search_rejects_a_context_shorter_than_the_table_reads():
+  config = TreeConfig(topk=3, beam_width=2, remain_total=6)
+  table = ContextNGram.empty(1, 16, ContextNGramConfig())
+  with pytest.raises(InputError, match="context N-gram reads 3 tokens"):
+    _batch_trees(jnp.zeros((1, 3, 10)), jnp.zeros((1, 2), jnp.int32),
+                 jnp.ones((1,), jnp.int32), None, table, config, True)

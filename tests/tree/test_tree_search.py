@@ -1,6 +1,8 @@
 """Jitted DART search vs the numpy reference on many random cases.
 
-Two comparisons:
+Each comparison runs both implementations: the XLA search (`dart_search`,
+`search_candidates`) and the CPU kernel's (`search_batch` where the kernels
+run, one FFI call for the batch; skipped where they do not). Two comparisons:
 - exact arithmetic (integer log-probabilities, unit weights): the float work
   is exact in both implementations, so the trees must be identical node for
   node, which pins down every tie-breaking rule;
@@ -11,14 +13,18 @@ Two comparisons:
   be equal; cases with a near-tie at a cut are counted and must stay rare.
 """
 
+import functools
 import zlib
 
 import jax
 import numpy as np
 import pytest
 
+from dart_jax.models import precision
 from dart_jax.ngram import NGram
-from dart_jax.tree import TreeConfig, dart_search, search_candidates
+from dart_jax.tree import (TreeConfig, dart_search, level_candidates, search_batch,
+                           search_candidates)
+from kernels import cpu_matmul
 from dart_jax.tree.reference import (reference_search,
                                      reference_search_candidates)
 from tests.tree.test_tree import check_tree_properties, tree_paths, unit_weight
@@ -27,8 +33,34 @@ from tests.tree.test_tree import check_tree_properties, tree_paths, unit_weight
 SCORE_ATOL = 1e-4
 MARGIN = 3e-4
 
-search = jax.jit(dart_search, static_argnames=("config",))
-search_from_candidates = jax.jit(search_candidates, static_argnames=("config",))
+xla_search = jax.jit(dart_search, static_argnames=("config",))
+xla_search_from_candidates = jax.jit(search_candidates, static_argnames=("config",))
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def kernel_search_from_candidates(tokens, log_probs, context, ngram, config,
+                                  context_len=None):
+  """`search_batch` on one sequence, traced with the CPU kernels on."""
+  with precision.cpu_kernel(True):
+    tree = search_batch(tokens[None], log_probs[None], context[None], ngram, config,
+                        None if context_len is None else context_len[None])
+  return jax.tree_util.tree_map(lambda x: x[0], tree)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def kernel_search(logits, context, ngram, config, d2t=None, context_len=None):
+  tokens, log_probs = level_candidates(logits, config, d2t)
+  return kernel_search_from_candidates(tokens, log_probs, context, ngram, config,
+                                       context_len)
+
+
+IMPLEMENTATIONS = {
+    "xla": (xla_search, xla_search_from_candidates),
+    "kernel": (kernel_search, kernel_search_from_candidates),
+}
+implementations = pytest.mark.parametrize("impl", [
+    "xla", pytest.param("kernel", marks=pytest.mark.skipif(
+        not cpu_matmul.available(), reason="the CPU kernels are not built here"))])
 
 
 def half_weight(level: int) -> float:
@@ -61,8 +93,10 @@ GROUPS = [
 ]
 
 
+@implementations
 @pytest.mark.parametrize("group", GROUPS, ids=[g[0] for g in GROUPS])
-def test_jitted_search_matches_reference(group):
+def test_jitted_search_matches_reference(group, impl):
+  search, _ = IMPLEMENTATIONS[impl]
   name, config, levels, vocab, order, use_d2t, cases = group
   rng = np.random.default_rng(zlib.crc32(name.encode()))
   ngram = random_ngram(rng, 400, order) if order else None
@@ -113,9 +147,11 @@ EXACT_CONFIGS = [
 ]
 
 
+@implementations
 @pytest.mark.parametrize("config", EXACT_CONFIGS)
-def test_exact_ties_identical_trees(config):
+def test_exact_ties_identical_trees(config, impl):
   """Integer log-probabilities: massive exact ties, exact arithmetic."""
+  _, search_from_candidates = IMPLEMENTATIONS[impl]
   rng = np.random.default_rng(config.topk)
   levels, cases = 4, 40
   for _ in range(cases):
