@@ -1,5 +1,5 @@
-// DART's tree search (dart_jax/tree/dart_search.py, `search_candidates`) as one
-// XLA FFI call per round on CPU.
+// DART's tree search (dart_jax/tree/dart_search.py, `search_candidates`) and the
+// context N-gram's inserts (dart_jax/ngram/context.py) as XLA FFI calls on CPU.
 //
 //   DartSearchTree: from each sequence's top-k candidates of every draft level
 // (target ids and log(p + eps)), its context window, the corpus N-gram's hash
@@ -11,9 +11,10 @@
 // (see ContextInsert below).
 //
 // Why: XLA:CPU runs the search as a scan over levels plus ~15 small ops per
-// level (hashed gathers, top-k, selects), each a thunk with its own dispatch;
-// a fused DART round spent ~1.4 ms of ~20 in them on the 2-core Zen 3. Here
-// the same work is a few thousand scalar operations.
+// level (hashed gathers, top-k, selects), each a thunk with its own dispatch:
+// with the inserts, ~1.0-1.3 ms of a ~25 ms fused DART round on the 2-core Zen
+// 3. Here the same work is a few thousand scalar operations (~0.2 ms, mostly
+// the N-gram tables' hashed reads from memory).
 //
 // Semantics are the JAX search's, rule for rule (see dart_search.py for the
 // tie-breaking): level candidates shared by the beam plus each member's
@@ -21,7 +22,7 @@
 // (corpus, mixed with the context's estimate where it matches), the EOS-last
 // beam cut, the final top-N by score then record, BFS order. Float work is
 // float32 with the same operation order; std::log / std::exp may differ from
-// XLA's in the last bit, so scores agree to ~1e-6 and a near-tie at a cut can
+// XLA's in the last bit, so scores agree to ~2e-6 and a near-tie at a cut can
 // fall either way (the tests compare against the reference with margins).
 
 #include <algorithm>
