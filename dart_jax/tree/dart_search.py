@@ -49,6 +49,7 @@ from kernels import cpu_matmul
 
 
 _TOPK_CHUNK = 128
+_KERNEL_MAX_WIDTH = 64  # context N-gram tokens the CPU kernel's search reads at most
 
 
 def _barrier(outputs: tuple) -> tuple:
@@ -313,7 +314,8 @@ def search_batch(tokens: jax.Array, log_probs: jax.Array, context: jax.Array,
   batch, _, _ = tokens.shape
   if context_len is None:
     context_len = jnp.full((batch,), context.shape[1], jnp.int32)
-  if not precision.cpu_kernel_active():
+  too_wide = context_ngram is not None and context_ngram.config.width > _KERNEL_MAX_WIDTH
+  if not precision.cpu_kernel_active() or too_wide:
     return jax.vmap(lambda t, lp, ctx, n, table: search_candidates(
         t, lp, ctx, ngram, config, n, table))(tokens, log_probs, context, context_len,
                                                context_ngram)

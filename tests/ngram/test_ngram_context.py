@@ -2,6 +2,7 @@
 
 import collections
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,8 @@ from dart_jax.ngram.context import ContextNGram, ContextNGramConfig
 from dart_jax.tree import TreeConfig, dart_search, level_candidates, search_batch
 from kernels import cpu_matmul
 
+# The module (the package exports its `dart_search` function under the same name).
+dart_search_module = importlib.import_module("dart_jax.tree.dart_search")
 needs_kernel = pytest.mark.skipif(not cpu_matmul.available(),
                                   reason="the CPU kernels are not built here")
 
@@ -242,6 +245,21 @@ def test_the_kernel_search_with_a_context_table_matches_xla(config, context_conf
     if same:
       np.testing.assert_allclose(got.scores, want.scores, rtol=1e-5, atol=1e-5)
   assert differ <= cases // 10, differ
+
+
+@needs_kernel
+def test_a_context_table_wider_than_the_kernel_reads_takes_the_xla_search(monkeypatch):
+  def no_kernel(*args):
+    raise AssertionError("the kernel's search cannot read a context wider than 64")
+  monkeypatch.setattr(dart_search_module, "_search_batch_kernel", no_kernel)
+  config = TreeConfig(topk=3, beam_width=2, remain_total=6)
+  table = ContextNGram.empty(1, 80, ContextNGramConfig(max_order=66))
+  tokens = jnp.zeros((1, 3, 3), jnp.int32)
+  with precision.cpu_kernel(True):
+    tree = jax.eval_shape(lambda: search_batch(tokens, jnp.zeros((1, 3, 3)),
+                                               jnp.zeros((1, 65), jnp.int32), None, config,
+                                               None, table))
+  assert tree.tokens.shape == (1, 7)
 
 
 @needs_kernel
